@@ -1,0 +1,84 @@
+"""Errors blockdiff raises.
+
+The library raises; only the CLI catches :class:`BlockdiffError`, prints one line and
+exits 2. Every subclass carries its data as attributes so callers can act on it.
+
+Hierarchy::
+
+    BlockdiffError
+    ├── ModelSpecError        a model spec cannot be loaded (file, factory, return type)
+    ├── HookMapError          a hook map is malformed or names modules that do not exist
+    ├── InputError            bad token ids, shapes, dtype or device names, empty inputs
+    ├── ModelRunError         a model raised while blockdiff ran it
+    ├── PairingError          reference and candidate sites cannot be paired
+    │   └── ShapeMismatchError    paired sites have different shapes
+    └── DumpError             an HDF5 dump is missing, foreign, damaged or too new
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BlockdiffError",
+    "ModelSpecError",
+    "HookMapError",
+    "InputError",
+    "ModelRunError",
+    "PairingError",
+    "ShapeMismatchError",
+    "DumpError",
+]
+
+
+class BlockdiffError(Exception):
+    """Base class of every error blockdiff raises on purpose."""
+
+
+class ModelSpecError(BlockdiffError):
+    """A model spec (``file.py:factory``, ``package.module:factory``) cannot be used."""
+
+    def __init__(self, message: str, *, spec: str | None = None) -> None:
+        super().__init__(message)
+        self.spec = spec
+
+
+class HookMapError(BlockdiffError):
+    """A hook map is malformed, matches nothing, or names a module that does not exist."""
+
+    def __init__(self, message: str, *, source: str | None = None) -> None:
+        super().__init__(message)
+        self.source = source
+
+
+class InputError(BlockdiffError):
+    """Model inputs, dtype or device names are unusable."""
+
+
+class ModelRunError(BlockdiffError):
+    """A model raised while blockdiff ran it; the original exception is ``__cause__``."""
+
+    def __init__(self, message: str, *, side: str) -> None:
+        super().__init__(message)
+        self.side = side
+
+
+class PairingError(BlockdiffError):
+    """Reference and candidate sites cannot be paired (block counts, missing sites)."""
+
+
+class ShapeMismatchError(PairingError):
+    """A paired site has different shapes on the two sides."""
+
+    def __init__(self, message: str, *, site: str, reference: tuple, candidate: tuple) -> None:
+        super().__init__(message)
+        self.site = site
+        self.reference = reference
+        self.candidate = candidate
+
+
+class DumpError(BlockdiffError):
+    """An HDF5 dump cannot be read or written."""
+
+    def __init__(self, message: str, *, path: str | None = None, site: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.site = site

@@ -1,0 +1,278 @@
+"""Hook maps: where a model keeps its embedding, its blocks and each block's sub-paths.
+
+A hook map is data (TOML, bundled in ``hooks/`` or given by the user with ``--hooks``).
+:func:`resolve` matches one to a model and checks every module it names exists, giving a
+:class:`Layout`: the concrete module paths, per block, of each sub-path. Capture and
+localization work from the layout only. The format is documented in ``docs/hook-maps.md``.
+
+>>> layout = resolve(model)                                  # doctest: +SKIP
+>>> layout.blocks[0].subpaths["attention"]                   # doctest: +SKIP
+['model.layers.0.self_attn']
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .errors import HookMapError
+from .site import MODULE_SUBPATHS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+OUTSIDE_STAGES = ("embed", "context", "final_norm", "head")
+
+
+@dataclass(frozen=True)
+class HookMap:
+    """A hook map as written in TOML, not yet applied to a model."""
+
+    name: str
+    source: str
+    match: tuple[str, ...]
+    outside: dict[str, tuple[str, ...]]
+    optional: tuple[str, ...]
+    blocks: tuple[str, ...]
+    subpaths: dict[str, tuple[str, ...]]
+    prefix: str = ""
+    description: str = ""
+
+
+@dataclass
+class BlockLayout:
+    """One block: its path, its index and the module paths of each sub-path."""
+
+    index: int
+    path: str
+    stack: str
+    subpaths: dict[str, list[str]] = field(default_factory=dict)
+    # Modules with parameters that no sub-path covers: their errors would pass for glue.
+    unmapped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Layout:
+    """A hook map resolved against one model: concrete module paths for every site."""
+
+    hook_map: HookMap
+    outside: list[tuple[str, str]]
+    blocks: list[BlockLayout]
+
+    def site_of(self) -> dict[str, tuple[str, int | None, str | None]]:
+        """Module path → (stage, block, subpath) for every module that is a site."""
+        sites: dict[str, tuple[str, int | None, str | None]] = {}
+        for stage, path in self.outside:
+            sites[path] = (stage, None, None)
+        for block in self.blocks:
+            sites[block.path] = ("block", block.index, None)
+            for subpath, paths in block.subpaths.items():
+                for path in paths:
+                    sites[path] = ("block", block.index, subpath)
+        return sites
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hook_map": self.hook_map.name,
+            "source": self.hook_map.source,
+            "outside": [{"stage": s, "module": p} for s, p in self.outside],
+            "blocks": [
+                {"index": b.index, "module": b.path, "stack": b.stack, "subpaths": b.subpaths, "unmapped": b.unmapped}
+                for b in self.blocks
+            ],
+        }
+
+
+def parse(text: str, *, source: str) -> HookMap:
+    """Parse and validate a hook map written in TOML.
+
+    Raises:
+        HookMapError: malformed TOML, a missing or mistyped key, an unknown sub-path.
+    """
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise HookMapError(f"hook map {source}: not valid TOML ({exc})", source=source) from None
+
+    def strings(value: Any, key: str) -> tuple[str, ...]:
+        if isinstance(value, str):
+            return (value,)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise HookMapError(
+            f"hook map {source}: {key} must be a string or a list of strings, "
+            f"found {type(value).__name__}",
+            source=source,
+        )
+
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise HookMapError(f"hook map {source}: missing 'name' (a string)", source=source)
+    blocks = data.get("blocks")
+    if not isinstance(blocks, dict) or "path" not in blocks:
+        raise HookMapError(
+            f"hook map {source}: missing [blocks] table with 'path' (the block list)", source=source
+        )
+    def table(value: Any, key: str, allowed: tuple[str, ...], what: str, hint: str = "") -> dict:
+        if not isinstance(value, dict):
+            raise HookMapError(f"hook map {source}: [{key}] must be a table", source=source)
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            raise HookMapError(
+                f"hook map {source}: unknown {what} {unknown[0]!r} in [{key}]; "
+                f"expected {', '.join(allowed)}{hint}",
+                source=source,
+            )
+        return value
+
+    raw_subpaths = table(
+        blocks.get("subpaths", {}), "blocks.subpaths", MODULE_SUBPATHS, "sub-path", " (residual owns no module)"
+    )
+    raw_outside = table(data.get("outside", {}), "outside", OUTSIDE_STAGES, "stage")
+    optional = strings(data.get("optional", []), "optional")
+    prefix = data.get("prefix", "")
+    if not isinstance(prefix, str):
+        raise HookMapError(f"hook map {source}: 'prefix' must be a string", source=source)
+    return HookMap(
+        name=name,
+        source=source,
+        match=strings(data.get("match", []), "match"),
+        outside={k: strings(v, f"outside.{k}") for k, v in raw_outside.items()},
+        optional=optional,
+        blocks=strings(blocks["path"], "blocks.path"),
+        subpaths={k: strings(v, f"blocks.subpaths.{k}") for k, v in raw_subpaths.items()},
+        prefix=prefix,
+        description=str(data.get("description", "")),
+    )
+
+
+def load(path: str | Path) -> HookMap:
+    """Read a user's hook map file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise HookMapError(f"hook map {path}: no such file", source=str(path)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HookMapError(f"hook map {path}: cannot read ({exc})", source=str(path)) from None
+    return parse(text, source=str(path))
+
+
+def bundled() -> list[HookMap]:
+    """The hook maps shipped with blockdiff (``hooks/*.toml``), sorted by name."""
+    try:
+        folder = resources.files("blockdiff.hooks")
+    except ModuleNotFoundError:  # a checkout on sys.path without an install
+        folder = Path(__file__).resolve().parent.parent / "hooks"
+    maps = []
+    for entry in folder.iterdir():
+        if entry.name.endswith(".toml"):
+            maps.append(parse(entry.read_text(encoding="utf-8"), source=f"hooks/{entry.name}"))
+    return sorted(maps, key=lambda m: m.name)
+
+
+def find(model: nn.Module) -> HookMap:
+    """The bundled hook map whose ``match`` names the model's class.
+
+    Raises:
+        HookMapError: no bundled map matches.
+    """
+    cls = type(model).__name__
+    for hook_map in bundled():
+        if cls in hook_map.match:
+            return hook_map
+    raise HookMapError(
+        f"no hook map matches model class {cls}; write one and pass it with --hooks FILE.toml "
+        "(format: docs/hook-maps.md)"
+    )
+
+
+def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
+    """Apply a hook map to ``model``: every module it names must exist.
+
+    Args:
+        model: the model to map.
+        hook_map: the map to use; found by the model's class name when ``None``.
+
+    Raises:
+        HookMapError: a named module does not exist, or the block list is not a list.
+    """
+    hook_map = hook_map or find(model)
+    modules = dict(model.named_modules())
+
+    def lookup(path: str) -> str | None:
+        if path in modules:
+            return path
+        if hook_map.prefix and path.startswith(hook_map.prefix):
+            stripped = path[len(hook_map.prefix):]
+            if stripped in modules:
+                return stripped
+        return None
+
+    def missing(what: str, path: str) -> HookMapError:
+        return HookMapError(
+            f"hook map {hook_map.name} ({hook_map.source}): {what} {path!r} does not exist "
+            f"in {type(model).__name__}",
+            source=hook_map.source,
+        )
+
+    outside: list[tuple[str, str]] = []
+    for stage in OUTSIDE_STAGES:
+        for path in hook_map.outside.get(stage, ()):
+            found = lookup(path)
+            if found is None:
+                if stage in hook_map.optional:
+                    continue
+                raise missing(f"{stage} module", path)
+            outside.append((stage, found))
+
+    blocks: list[BlockLayout] = []
+    for stack_path in hook_map.blocks:
+        found = lookup(stack_path)
+        if found is None:
+            raise missing("block list", stack_path)
+        stack = modules[found]
+        if not isinstance(stack, (nn.ModuleList, nn.Sequential)):
+            raise HookMapError(
+                f"hook map {hook_map.name}: block list {found!r} is a {type(stack).__name__}, "
+                "expected a ModuleList or Sequential",
+                source=hook_map.source,
+            )
+        for name, _ in stack.named_children():
+            block_path = f"{found}.{name}" if found else name
+            layout = BlockLayout(index=len(blocks), path=block_path, stack=found)
+            for subpath in MODULE_SUBPATHS:
+                paths = []
+                for rel in hook_map.subpaths.get(subpath, ()):
+                    full = f"{block_path}.{rel}"
+                    if full not in modules:
+                        raise missing(f"{subpath} module", full)
+                    paths.append(full)
+                if paths:
+                    layout.subpaths[subpath] = paths
+            layout.unmapped = _unmapped(modules, block_path, layout.subpaths)
+            blocks.append(layout)
+    if not blocks:
+        raise HookMapError(f"hook map {hook_map.name}: the block list is empty", source=hook_map.source)
+    return Layout(hook_map=hook_map, outside=outside, blocks=blocks)
+
+
+def _unmapped(modules: dict[str, nn.Module], block_path: str, subpaths: dict[str, list[str]]) -> list[str]:
+    """Modules inside a block that hold parameters but belong to no sub-path."""
+    covered = [p for paths in subpaths.values() for p in paths]
+    found = []
+    for path, module in modules.items():
+        if not path.startswith(block_path + "."):
+            continue
+        if any(path == c or path.startswith(c + ".") for c in covered):
+            continue
+        if next(module.parameters(recurse=False), None) is not None:
+            found.append(path)
+    return found

@@ -1,0 +1,172 @@
+"""Model inputs: token ids, positional-argument tuples or keyword dicts, and how to call a
+model with them.
+
+Everywhere in the Python API, ``inputs`` may be a tensor (token ids), a tuple of
+positional arguments or a dict of keyword arguments. The CLI makes token ids from
+``--batch/--seq/--seed`` or reads them from ``--tokens FILE`` (.json list of lists, or
+.safetensors holding ``input_ids``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import InputError
+from .site import iter_tensors, map_structure
+
+Inputs = Any  # torch.Tensor | tuple | dict
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    for tensor in model.parameters():
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return torch.float32
+
+
+def check_inputs(inputs: Inputs) -> Inputs:
+    """Validate the shape of ``inputs`` (tensor, tuple or dict) and return it.
+
+    Raises:
+        InputError: another type, or inputs holding no elements.
+    """
+    if not isinstance(inputs, (torch.Tensor, tuple, dict)):
+        raise InputError(
+            f"inputs must be a tensor of token ids, a tuple of positional arguments or a dict "
+            f"of keyword arguments, found {type(inputs).__name__}"
+        )
+    tensors = list(iter_tensors(inputs))
+    if not tensors:
+        raise InputError("inputs hold no tensor")
+    if any(t.numel() == 0 for t in tensors):
+        shapes = ", ".join(str(list(t.shape)) for t in tensors)
+        raise InputError(f"inputs are empty (shapes {shapes}); give at least one token")
+    return inputs
+
+
+def run_model(model: nn.Module, inputs: Inputs) -> Any:
+    """Call ``model`` on ``inputs`` moved to its device.
+
+    Models whose forward takes ``use_cache`` (Hugging Face) are called with
+    ``use_cache=False`` unless the inputs say otherwise: a cache object would make
+    recorded calls unreplayable.
+    """
+    device = model_device(model)
+    moved = map_structure(inputs, lambda t: t.to(device))
+    if isinstance(moved, dict):
+        args, kwargs = (), dict(moved)
+    elif isinstance(moved, tuple):
+        args, kwargs = moved, {}
+    else:
+        args, kwargs = (moved,), {}
+    if "use_cache" not in kwargs and _accepts(model, "use_cache"):
+        kwargs["use_cache"] = False
+    return model(*args, **kwargs)
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def random_tokens(*, batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
+    """Token ids uniform in ``[0, vocab)`` from ``seed``."""
+    if batch < 1:
+        raise InputError(f"--batch must be at least 1, found {batch}")
+    if seq < 1:
+        raise InputError(f"--seq must be at least 1, found {seq}")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=gen)
+
+
+def load_tokens(path: str | Path) -> torch.Tensor:
+    """Token ids from a .json file (list of lists of ints) or a .safetensors file holding
+    ``input_ids``.
+
+    Raises:
+        InputError: missing file, other format, wrong dtype or shape.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"token file {path}: no such file")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InputError(f"token file {path}: not valid JSON ({exc})") from None
+        if not (
+            isinstance(data, list)
+            and data
+            and all(isinstance(row, list) for row in data)
+            and all(isinstance(v, int) and not isinstance(v, bool) for row in data for v in row)
+        ):
+            raise InputError(f"token file {path}: expected a non-empty list of lists of integers")
+        if len({len(row) for row in data}) != 1:
+            raise InputError(f"token file {path}: rows have different lengths")
+        ids = torch.tensor(data, dtype=torch.long)
+    elif path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise InputError(f"token file {path}: not a readable safetensors file ({exc})") from None
+        if "input_ids" not in tensors:
+            raise InputError(
+                f"token file {path}: expected a tensor named 'input_ids', found {sorted(tensors)}"
+            )
+        ids = tensors["input_ids"]
+        if ids.is_floating_point() or ids.dtype == torch.bool or ids.is_complex():
+            raise InputError(f"token file {path}: input_ids must be integers, found {ids.dtype}")
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2:
+            raise InputError(
+                f"token file {path}: input_ids must be [batch, seq], found shape {list(ids.shape)}"
+            )
+        ids = ids.long()
+    else:
+        raise InputError(f"token file {path}: expected a .json or .safetensors file")
+    if ids.numel() == 0:
+        raise InputError(f"token file {path}: holds no tokens")
+    return ids
+
+
+def check_vocab(ids: torch.Tensor, vocab: int | None, *, side: str) -> None:
+    """Token ids must lie in ``[0, vocab)`` of the side's embedding."""
+    if vocab is None or ids.is_floating_point():
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        raise InputError(
+            f"token ids out of range for the {side}'s vocabulary of {vocab}: found ids from "
+            f"{low} to {high}"
+        )
+
+
+def digest(inputs: Inputs) -> str:
+    """A short content digest of the inputs (sha256 over dtypes, shapes and bytes)."""
+    h = hashlib.sha256()
+    for t in iter_tensors(inputs):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{list(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]

@@ -1,0 +1,144 @@
+"""Loading: turn the CLI's model specs, dtype and device names into placed models.
+
+A model spec is ``path/to/file.py:factory`` or ``package.module:factory``: a callable
+returning an ``nn.Module``. The same spec may serve both sides; each side calls the
+factory itself, so the two models are separate objects.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import InputError, ModelSpecError
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise InputError(
+            f"unknown dtype {name!r}; expected one of float32, float64, float16, bfloat16"
+        ) from None
+
+
+def parse_device(name: str) -> torch.device:
+    """A device name; ``auto`` is CUDA when available, else the CPU.
+
+    Raises:
+        InputError: an unknown name, or CUDA asked for where there is none.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise InputError(f"unknown device {name!r}; expected cpu, cuda, cuda:N, mps or auto") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"device {name!r} asked for, but CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise InputError(
+                f"device {name!r} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise InputError(f"device {name!r} asked for, but MPS is not available on this machine")
+    return device
+
+
+def load_factory(spec: str) -> Callable[[], nn.Module]:
+    """The factory a spec names.
+
+    Raises:
+        ModelSpecError: malformed spec, unknown file, module or attribute.
+    """
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr or not attr.isidentifier():
+        raise ModelSpecError(
+            f"model spec {spec!r}: expected path/to/file.py:factory or package.module:factory",
+            spec=spec,
+        )
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        module = _import_file(Path(target), spec)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ModelSpecError(f"model spec {spec!r}: cannot import {target} ({exc})", spec=spec) from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ModelSpecError(f"model spec {spec!r}: {target} has no attribute {attr!r}", spec=spec)
+    if not callable(factory):
+        raise ModelSpecError(f"model spec {spec!r}: {attr} is a {type(factory).__name__}, not callable", spec=spec)
+    return factory
+
+
+def _import_file(path: Path, spec: str):
+    """Import a .py file; inside a package (``__init__.py`` beside it) by its dotted name,
+    so its relative imports work."""
+    if not path.is_file():
+        raise ModelSpecError(f"model spec {spec!r}: no such file {path}", spec=spec)
+    path = path.resolve()
+    parts = [path.stem]
+    root = path.parent
+    while (root / "__init__.py").is_file():
+        parts.insert(0, root.name)
+        root = root.parent
+    name = ".".join(parts)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        if len(parts) > 1:
+            return importlib.import_module(name)
+        loaded = importlib.util.spec_from_file_location(name, path)
+        assert loaded is not None and loaded.loader is not None
+        module = importlib.util.module_from_spec(loaded)
+        sys.modules[name] = module
+        loaded.loader.exec_module(module)
+        return module
+    except ModelSpecError:
+        raise
+    except Exception as exc:  # the user's file raised while importing
+        raise ModelSpecError(
+            f"model spec {spec!r}: importing {path.name} raised {type(exc).__name__}: {exc}", spec=spec
+        ) from exc
+
+
+def build_model(spec: str, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Call the spec's factory and place the model on ``device`` in ``dtype``, eval mode.
+
+    Raises:
+        ModelSpecError: the factory raised or returned something other than an ``nn.Module``.
+    """
+    factory = load_factory(spec)
+    try:
+        model = factory()
+    except Exception as exc:
+        raise ModelSpecError(
+            f"model spec {spec!r}: the factory raised {type(exc).__name__}: {exc}", spec=spec
+        ) from exc
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(
+            f"model spec {spec!r}: the factory returned a {type(model).__name__}, expected a torch nn.Module",
+            spec=spec,
+        )
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,204 @@
+"""Sites: one captured module call, and the helpers that read and rebuild its structures.
+
+A :class:`Site` holds what a module received (positional and keyword arguments) and what
+it returned, as snapshots: tensors are copied when recorded, because some models change a
+module's output in place after the hooks have run. Objects that must never be replayed
+(a KV cache, anything that is not plain data) are kept only as an :class:`Opaque` marker
+naming their type, and replayed as ``None``.
+
+Sites are paired between reference and candidate by :attr:`Site.key`:
+``(stage, block, subpath, ordinal)``, where *ordinal* counts the calls of that sub-path
+within the block in execution order. Module paths may differ between two codebases; the
+anatomy does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+STAGES = ("embed", "context", "block", "final_norm", "head")
+SUBPATHS = ("attention", "ffn", "norm", "residual")
+MODULE_SUBPATHS = ("attention", "ffn", "norm")
+
+# Argument names under which implementations pass the hidden state, tried in order when
+# a call has no positional argument (HF Llama-family attention is called keyword-only).
+HIDDEN_KWARGS = ("hidden_states", "hidden_state", "x", "input", "inputs", "input_ids")
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """Marker for a recorded argument that is not plain data (a cache object, say)."""
+
+    type_name: str
+
+
+@dataclass
+class Site:
+    """One captured call of a module of the hook map.
+
+    Attributes:
+        stage: ``embed``, ``context``, ``block``, ``final_norm`` or ``head``.
+        block: block index for ``block`` sites, else ``None``.
+        subpath: ``attention``, ``ffn`` or ``norm`` for modules inside a block; ``None``
+            for the block's own call and for sites outside blocks.
+        module: the module's path in ``named_modules()``.
+        call: how many times this module had been called before in the same forward.
+        ordinal: index among the sites of the same (stage, block, subpath).
+        args, kwargs, output: snapshots of the call.
+        order: position of the call's start among all sites of the forward.
+    """
+
+    stage: str
+    block: int | None
+    subpath: str | None
+    module: str
+    call: int
+    ordinal: int
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    output: Any = None
+    order: int = 0
+
+    @property
+    def key(self) -> tuple:
+        return (self.stage, self.block, self.subpath, self.ordinal)
+
+    @property
+    def label(self) -> str:
+        """Human-readable site name: ``block 2 attention (model.layers.2.self_attn)``."""
+        return f"{describe_key(self.key)} ({self.module})"
+
+    def hidden_input(self) -> torch.Tensor | None:
+        """The tensor this call received as its hidden state (see :func:`hidden_location`)."""
+        loc = hidden_location(self.args, self.kwargs)
+        if loc is None:
+            return None
+        kind, where = loc
+        return self.args[where] if kind == "arg" else self.kwargs[where]
+
+    def primary_output(self) -> torch.Tensor | None:
+        return primary_tensor(self.output)
+
+
+def describe_key(key: tuple) -> str:
+    stage, block, subpath, ordinal = key
+    if stage == "block":
+        text = f"block {block}" + (f" {subpath}" if subpath else "")
+    else:
+        text = stage
+    return text + (f" #{ordinal}" if ordinal else "")
+
+
+def map_structure(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor in a nested tuple/list/dict, keeping the structure.
+
+    Objects that are not plain data become :class:`Opaque` markers, so nothing a model
+    passes by reference (a cache, a config) is ever held or replayed.
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if obj is None or isinstance(obj, (bool, int, float, str, Opaque, torch.dtype, torch.device)):
+        return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_structure(v, fn) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_structure(v, fn) for v in obj)
+    if isinstance(obj, dict):
+        return {k: map_structure(v, fn) for k, v in obj.items()}
+    # HF ModelOutput and similar dataclass-like containers behave as ordered dicts.
+    if hasattr(obj, "to_tuple") and hasattr(obj, "keys"):
+        return {k: map_structure(obj[k], fn) for k in obj.keys()}
+    return Opaque(type(obj).__name__)
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors of a nested structure in order."""
+    found: list[torch.Tensor] = []
+    map_structure(obj, found.append)
+    return iter(found)
+
+
+def snapshot(obj: Any) -> Any:
+    """Copy a structure for the record: tensors detached and cloned to the CPU."""
+    return map_structure(obj, _copy_to_cpu)
+
+
+def _copy_to_cpu(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+
+
+def for_replay(obj: Any, *, device: torch.device | str, dtype: torch.dtype | None = None) -> Any:
+    """Move a recorded structure to ``device``; floating tensors cast to ``dtype`` if given.
+
+    :class:`Opaque` markers become ``None``: recorded caches are never replayed.
+    """
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if dtype is not None and t.is_floating_point():
+            return t.to(device=device, dtype=dtype)
+        return t.to(device=device)
+
+    return _drop_opaque(map_structure(obj, move))
+
+
+def _drop_opaque(obj: Any) -> Any:
+    if isinstance(obj, Opaque):
+        return None
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_drop_opaque(v) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_drop_opaque(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _drop_opaque(v) for k, v in obj.items()}
+    return obj
+
+
+def primary_tensor(obj: Any) -> torch.Tensor | None:
+    """The first tensor of an output: a module's main result (HF attention returns
+    ``(attn_output, attn_weights)``, Falcon blocks return tuples)."""
+    return next(iter_tensors(obj), None)
+
+
+def hidden_location(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
+    """Where a call passes its hidden state: the first positional tensor argument, or
+    else the first of :data:`HIDDEN_KWARGS` present as a tensor."""
+    if args and isinstance(args[0], torch.Tensor):
+        return ("arg", 0)
+    for name in HIDDEN_KWARGS:
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return ("kwarg", name)
+    return None
+
+
+def with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    """A copy of the call with its hidden state replaced by ``hidden``."""
+    loc = hidden_location(args, kwargs)
+    if loc is None:
+        return args, kwargs
+    kind, where = loc
+    if kind == "arg":
+        return (hidden, *args[1:]), dict(kwargs)
+    return tuple(args), {**kwargs, where: hidden}
+
+
+def replace_primary(output: Any, tensor: torch.Tensor) -> Any:
+    """``output`` with its primary tensor replaced, keeping tuple/list structure, so a
+    replacing forward hook hands the caller what it expects."""
+    if isinstance(output, torch.Tensor):
+        return tensor
+    if isinstance(output, tuple) and not hasattr(output, "_fields") and output:
+        return (replace_primary(output[0], tensor), *output[1:])
+    if isinstance(output, list) and output:
+        return [replace_primary(output[0], tensor), *output[1:]]
+    if isinstance(output, dict) and output:
+        first = next(iter(output))
+        return {**output, first: replace_primary(output[first], tensor)}
+    if hasattr(output, "to_tuple") and hasattr(output, "keys"):
+        first = next(iter(output.keys()))
+        output[first] = replace_primary(output[first], tensor)
+        return output
+    return tensor

@@ -1,0 +1,57 @@
+"""Site stores: where capture writes sites and where localization reads them, block by block.
+
+The engine only uses the small interface below (``add`` while capturing; ``meta``,
+``outside_sites`` and ``block_sites`` while localizing), so a store backed by an HDF5
+file (:mod:`blockdiff.dump`) can stand in for the in-memory one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from .site import Site
+
+
+class SiteStore(Protocol):
+    """What capture writes to and localization reads from."""
+
+    meta: dict[str, Any]
+
+    def add(self, site: Site) -> None: ...
+
+    def block_indices(self) -> list[int]: ...
+
+    def block_sites(self, block: int) -> list[Site]: ...
+
+    def outside_sites(self) -> list[Site]: ...
+
+
+class MemoryStore:
+    """Sites held in memory, in execution order."""
+
+    def __init__(self, meta: dict[str, Any] | None = None) -> None:
+        self.meta: dict[str, Any] = dict(meta or {})
+        self._outside: list[Site] = []
+        self._blocks: dict[int, list[Site]] = {}
+
+    def add(self, site: Site) -> None:
+        # Sites arrive as their calls finish (a block after its modules); keep start order.
+        target = self._outside if site.block is None else self._blocks.setdefault(site.block, [])
+        target.append(site)
+        target.sort(key=lambda s: s.order)
+
+    def block_indices(self) -> list[int]:
+        return sorted(self._blocks)
+
+    def block_sites(self, block: int) -> list[Site]:
+        return list(self._blocks.get(block, []))
+
+    def outside_sites(self) -> list[Site]:
+        return list(self._outside)
+
+    def sites(self) -> list[Site]:
+        """Every site: outside sites before the blocks' (embed, context), blocks, then the rest."""
+        before = [s for s in self._outside if s.stage in ("embed", "context")]
+        after = [s for s in self._outside if s.stage not in ("embed", "context")]
+        blocks = [s for i in self.block_indices() for s in self._blocks[i]]
+        return before + blocks + after

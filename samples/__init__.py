@@ -1,0 +1,1 @@
+"""Runnable sample models for blockdiff and candidates with planted bugs."""

@@ -1,0 +1,142 @@
+"""Planted bugs in tinylm: candidate factories with one bug each, in a chosen block.
+
+Every factory builds the clean sample (same seed, same weights) and plants one bug, so
+``blockdiff diff samples/tinylm.py:build samples/bugs.py:gelu_for_silu`` must blame
+exactly that block and sub-path. :data:`BUGS` lists each factory with the
+(stage, sub-path) blockdiff is expected to blame; the block is the ``block`` argument
+(default 1), or ``None`` for the head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # imported as samples.bugs (tests) or loaded from its file path (CLI)
+    from . import tinylm
+except ImportError:  # pragma: no cover
+    import tinylm
+
+DEFAULT_BLOCK = 1
+
+
+class LayerNormLike(tinylm.RMSNorm):
+    """RMSNorm written as LayerNorm: the mean is subtracted."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class GateUpSwapped(tinylm.SwiGLU):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)) * self.gate_proj(x))
+
+
+class MultiplyDropped(tinylm.SwiGLU):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)))
+
+
+class ResidualDropped(tinylm.Block):
+    """The attention residual add is missing."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+def _plant(block: int, where: str, cls: type[nn.Module]) -> tinylm.TinyLM:
+    model = tinylm.build()
+    target = model.blocks[block] if where == "block" else getattr(model.blocks[block], where)
+    target.__class__ = cls
+    return model
+
+
+def norm_as_layernorm(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    """RMSNorm written as LayerNorm (mean subtracted) in the block's first norm."""
+    return _plant(block, "attn_norm", LayerNormLike)
+
+
+def gate_up_swapped(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    return _plant(block, "ffn", GateUpSwapped)
+
+
+def gelu_for_silu(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    model = tinylm.build()
+    model.blocks[block].ffn.act = F.gelu
+    return model
+
+
+def multiply_dropped(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    """SwiGLU's elementwise multiply by the up projection is missing."""
+    return _plant(block, "ffn", MultiplyDropped)
+
+
+def attention_scale(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    """Attention scores scaled by 1/d instead of 1/sqrt(d)."""
+    model = tinylm.build()
+    attn = model.blocks[block].attn
+    attn.scale = 1.0 / attn.head_dim
+    return model
+
+
+def causal_mask_dropped(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    model = tinylm.build()
+    model.blocks[block].attn.causal = False
+    return model
+
+
+def rope_sign_flipped(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    """RoPE rotates the wrong way."""
+    model = tinylm.build()
+    model.blocks[block].attn.rope_sign = -1.0
+    return model
+
+
+def residual_dropped(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    return _plant(block, "block", ResidualDropped)
+
+
+def post_norm(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    """Post-norm instead of pre-norm in one block."""
+    model = tinylm.build()
+    model.blocks[block].residual = "post"
+    return model
+
+
+def head_untied_transposed() -> tinylm.TinyLM:
+    """The vocabulary projection is untied and reads the embedding with a transposed
+    layout ([hidden, vocab] memory read as [vocab, hidden])."""
+    model = tinylm.build()
+    weight = model.embed.weight.detach().t().contiguous().view(model.cfg.vocab_size, model.cfg.hidden)
+    model.lm_head = nn.Linear(model.cfg.hidden, model.cfg.vocab_size, bias=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(weight)
+    return model
+
+
+def nan_in_ffn(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    """A down projection with a NaN weight: the candidate produces NaN in that block."""
+    model = tinylm.build()
+    with torch.no_grad():
+        model.blocks[block].ffn.down_proj.weight[0, 0] = float("nan")
+    return model
+
+
+# factory name → (stage, sub-path) blockdiff must blame.
+BUGS: dict[str, tuple[str, str | None]] = {
+    "norm_as_layernorm": ("block", "norm"),
+    "gate_up_swapped": ("block", "ffn"),
+    "gelu_for_silu": ("block", "ffn"),
+    "multiply_dropped": ("block", "ffn"),
+    "attention_scale": ("block", "attention"),
+    "causal_mask_dropped": ("block", "attention"),
+    "rope_sign_flipped": ("block", "attention"),
+    "residual_dropped": ("block", "residual"),
+    "post_norm": ("block", "residual"),
+    "head_untied_transposed": ("head", None),
+}

@@ -1,0 +1,21 @@
+"""Shared fixtures: token ids and a helper that reads what a report blames."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Tiny models: one thread is faster than two (OpenMP start-up per op dominates), and keeps
+# the suite steady on a 2-core CI machine.
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def ids() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def blamed(report) -> tuple | None:
+    """(stage, block, subpath) of the first divergence, or None."""
+    first = report.first_divergence
+    return None if first is None else (first.stage, first.block, first.subpath)

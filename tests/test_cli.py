@@ -1,0 +1,168 @@
+"""The `blockdiff` command: exit codes, one-line errors, the README path in a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blockdiff.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = "samples/tinylm.py:build"
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    out, err = capsys.readouterr()
+    return exited.value.code, out, err
+
+
+def blockdiff_process(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "blockdiff.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture
+def factories(tmp_path: Path) -> Path:
+    (tmp_path / "factories.py").write_text(
+        "from samples import tinylm\n"
+        "def raises():\n    raise ValueError('weights file is corrupt')\n"
+        "def not_a_module():\n    return 42\n"
+        "def three_blocks():\n    return tinylm.build(blocks=3)\n"
+        "def narrow():\n    return tinylm.build(hidden=32, heads=2, kv_heads=1)\n"
+        "NOT_CALLABLE = 3\n"
+    )
+    (tmp_path / "big_ids.json").write_text("[[1, 2, 999]]")
+    (tmp_path / "ragged.json").write_text("[[1, 2], [3]]")
+    (tmp_path / "bad.toml").write_text("name = [unclosed\n")
+    (tmp_path / "missing_module.toml").write_text(
+        'name = "x"\n[blocks]\npath = "blocks"\n[blocks.subpaths]\nattention = "self_attn"\n'
+    )
+    os.chdir(ROOT)
+    sys.path.insert(0, str(tmp_path))
+    return tmp_path
+
+
+BAD_INPUTS = [
+    (["diff", "nope.py:build"], "no such file nope.py"),
+    (["diff", "samples/tinylm.py:nope"], "has no attribute 'nope'"),
+    (["diff", "samples/tinylm.py"], "expected path/to/file.py:factory"),
+    (["diff", "no_such_package_xyz.models:build"], "cannot import no_such_package_xyz.models"),
+    (["diff", SAMPLE, "{tmp}/factories.py:raises"], "the factory raised ValueError: weights file is corrupt"),
+    (["diff", SAMPLE, "{tmp}/factories.py:not_a_module"], "the factory returned a int, expected a torch nn.Module"),
+    (["diff", SAMPLE, "{tmp}/factories.py:NOT_CALLABLE"], "NOT_CALLABLE is a int, not callable"),
+    (["diff", SAMPLE, "{tmp}/factories.py:three_blocks"], "the reference has 4 blocks and the candidate 3"),
+    (["diff", SAMPLE, "{tmp}/factories.py:narrow"], "embed output: candidate has shape [2, 16, 32], reference [2, 16, 64]"),
+    (["diff", SAMPLE, "--cand-dtype", "float12"], "unknown dtype 'float12'"),
+    (["diff", SAMPLE, "--ref-device", "tpu9"], "unknown device 'tpu9'"),
+    (["diff", SAMPLE, "--tokens", "{tmp}/big_ids.json"], "token ids out of range for the reference's vocabulary of 256: found ids from 1 to 999"),
+    (["diff", SAMPLE, "--tokens", "{tmp}/ragged.json"], "rows have different lengths"),
+    (["diff", SAMPLE, "--tokens", "{tmp}/absent.json"], "no such file"),
+    (["diff", SAMPLE, "--seq", "0"], "--seq must be at least 1, found 0"),
+    (["diff", SAMPLE, "--batch", "0"], "--batch must be at least 1, found 0"),
+    (["diff", SAMPLE, "--tol", "ffn"], "expected SUBPATH=VALUE"),
+    (["diff", SAMPLE, "--tol", "mlp=0.1"], "unknown tolerance target 'mlp'"),
+    (["diff", SAMPLE, "--tol", "ffn=-1"], "must be a positive number"),
+    (["diff", SAMPLE, "--tolerance", "loose"], "'loose' is not one of 'fixed', 'calibrated'"),
+    (["diff", SAMPLE, "--hooks", "{tmp}/bad.toml"], "not valid TOML"),
+    (["diff", SAMPLE, "--hooks", "{tmp}/missing_module.toml"], "attention module 'blocks.0.self_attn' does not exist in TinyLM"),
+    (["diff", SAMPLE, "--hooks", "{tmp}/none.toml"], "no such file"),
+    (["diff", SAMPLE, "--json", "{tmp}/no/such/dir/report.json"], "cannot write the JSON report"),
+    (["diff", SAMPLE, "--frobnicate"], "--frobnicate'. Try 'blockdiff diff --help'."),
+    (["diff"], "Missing argument 'REFERENCE'"),
+    (["arch", "torch.nn:Linear"], "the factory raised TypeError"),
+    (["arch", "torch.nn:Identity"], "no hook map matches model class Identity; write one and pass it with --hooks"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a)[:60] for a, _ in BAD_INPUTS])
+def test_bad_input_gets_one_line_and_exit_2(args, message, factories, capsys):
+    args = [a.replace("{tmp}", str(factories)) for a in args]
+    code, out, err = run_cli(args, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("Error: ")
+    assert message in lines[0]
+    assert "Traceback" not in err + out
+
+
+def test_cuda_asked_for_where_there_is_none(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = run_cli(["diff", SAMPLE, "--cand-device", "cuda"], capsys)
+    assert code == 2
+    assert err.strip() == "Error: device 'cuda' asked for, but CUDA is not available on this machine"
+
+
+def test_debug_shows_the_traceback(capsys):
+    code, _, err = run_cli(["diff", "samples/tinylm.py:nope", "--debug"], capsys)
+    assert code == 2
+    assert "Traceback" in err and err.strip().endswith("has no attribute 'nope'")
+
+
+def test_exit_codes_and_json_report(tmp_path, capsys):
+    os.chdir(ROOT)
+    code, out, _ = run_cli(["diff", SAMPLE, "samples/bugs.py:attention_scale", "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 1
+    assert "First divergence: block 1 attention (blocks.1.attn)" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["first_divergence"]["block"] == 1
+    assert report["first_divergence"]["subpath"] == "attention"
+    code, out, _ = run_cli(["diff", SAMPLE, "--cand-dtype", "bfloat16", "-q"], capsys)
+    assert code == 0
+    assert out.strip() == "no divergence"
+
+
+def test_nan_candidate_is_reported_not_a_crash(capsys):
+    os.chdir(ROOT)
+    code, out, err = run_cli(["diff", SAMPLE, "samples/bugs.py:nan_in_ffn"], capsys)
+    assert code == 1, err
+    assert "First divergence: block 1 ffn (blocks.1.ffn):" in out
+    assert "non-finite values in the candidate" in out
+    assert "free-running candidate first holds" in out and "block 1 ffn" in out
+
+
+def test_readme_command_localizes_the_planted_bug():
+    """The README's first command, in a real process."""
+    readme = (ROOT / "README.md").read_text()
+    command = "blockdiff diff samples/tinylm.py:build samples/bugs.py:gelu_for_silu"
+    assert command in readme
+    done = blockdiff_process(*command.split()[1:])
+    assert done.returncode == 1, done.stderr
+    assert "First divergence: block 1 ffn (blocks.1.ffn)" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_real_process_error_is_one_line():
+    done = blockdiff_process("diff", "samples/tinylm.py:build", "--seq", "0")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "Error: --seq must be at least 1, found 0"
+
+
+def test_arch_prints_the_resolved_map(capsys):
+    os.chdir(ROOT)
+    main_result = main(["arch", SAMPLE])
+    out, _ = capsys.readouterr()
+    assert main_result is None
+    assert "hook map tinylm" in out and "4 blocks" in out
+    assert "attn_norm, ffn_norm" in out
+    for stage, module in [("embed", "embed"), ("context", "rotary"), ("final_norm", "norm"), ("head", "lm_head")]:
+        assert f"{stage:<11} {module}" in out
+    main(["arch", SAMPLE, "--json"])
+    layout = json.loads(capsys.readouterr().out)
+    assert layout["blocks"][2]["subpaths"] == {
+        "attention": ["blocks.2.attn"],
+        "ffn": ["blocks.2.ffn"],
+        "norm": ["blocks.2.attn_norm", "blocks.2.ffn_norm"],
+    }

@@ -1,0 +1,28 @@
+"""`blockdiff.__all__` is exactly the public API."""
+
+import blockdiff
+
+
+def test_all_is_exactly_the_public_names():
+    assert sorted(blockdiff.__all__) == sorted(
+        [
+            "__version__",
+            "diff",
+            "Report",
+            "Tolerance",
+            "HookMap",
+            "Layout",
+            "resolve",
+            "trained_looking_",
+            "BlockdiffError",
+            "DumpError",
+            "HookMapError",
+            "InputError",
+            "ModelRunError",
+            "ModelSpecError",
+            "PairingError",
+            "ShapeMismatchError",
+        ]
+    )
+    for name in blockdiff.__all__:
+        assert hasattr(blockdiff, name), name

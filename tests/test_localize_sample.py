@@ -1,0 +1,102 @@
+"""Planted bugs in the sample are blamed on exactly their block and sub-path; clean
+precision changes are blamed on nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockdiff import Tolerance, diff
+from samples import bugs, tinylm
+from tests.conftest import blamed
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(bugs.BUGS))
+def test_planted_bug_is_blamed_on_its_block_and_subpath(name, dtype, ids):
+    stage, subpath = bugs.BUGS[name]
+    block = 2 if stage == "block" else None
+    factory = getattr(bugs, name)
+    candidate = (factory(block=block) if block is not None else factory()).to(dtype)
+    report = diff(tinylm.build(), candidate, ids)
+    assert blamed(report) == (stage, block, subpath)
+    # Local error isolates the bug: nothing else is blamed, although drift carries on.
+    assert len(report.divergences) == 1
+
+
+@pytest.mark.parametrize("name", ["gelu_for_silu", "residual_dropped", "norm_as_layernorm", "attention_scale"])
+def test_planted_bug_in_first_and_last_block(name, ids):
+    for block in (0, 3):
+        report = diff(tinylm.build(), getattr(bugs, name)(block=block).to(torch.bfloat16), ids)
+        assert blamed(report) == ("block", block, bugs.BUGS[name][1])
+
+
+@pytest.mark.parametrize("name", ["gelu_for_silu", "post_norm", "norm_as_layernorm", "rope_sign_flipped", "head_untied_transposed"])
+def test_fixed_policy_finds_bugs_in_bfloat16(name, ids):
+    stage, subpath = bugs.BUGS[name]
+    candidate = getattr(bugs, name)().to(torch.bfloat16)
+    report = diff(tinylm.build(), candidate, ids, tolerance=Tolerance(policy="fixed"))
+    assert blamed(report) == (stage, bugs.DEFAULT_BLOCK if stage == "block" else None, subpath)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("residual", ["pre", "post", "parallel"])
+@pytest.mark.parametrize("policy", [None, "fixed"])
+def test_clean_precision_change_blames_nothing(dtype, residual, policy, ids):
+    report = diff(tinylm.build(residual=residual), tinylm.build(residual=residual).to(dtype), ids, tolerance=Tolerance(policy=policy))
+    assert report.first_divergence is None
+    assert report.divergences == []
+    # The candidate is the reference's own code: local errors are the floors themselves.
+    if policy is None:
+        for block in report.blocks:
+            for result in block.subpaths.values():
+                for check in result.checks:
+                    assert check.threshold.basis == "calibrated"
+                    assert check.metrics.rel_l2 == pytest.approx(check.threshold.floor, rel=0.05, abs=1e-6)
+
+
+def test_same_model_float32_is_exact(ids):
+    report = diff(tinylm.build(), tinylm.build(), ids)
+    assert report.first_divergence is None
+    assert report.tolerance["policy"] == "fixed"
+    assert all(c.metrics.rel_l2 == 0.0 for b in report.blocks for r in b.subpaths.values() for c in r.checks)
+
+
+def test_nan_in_candidate_is_a_divergence_at_its_first_site(ids):
+    report = diff(tinylm.build(), bugs.nan_in_ffn(block=2), ids)
+    assert blamed(report) == ("block", 2, "ffn")
+    first = report.first_divergence
+    assert first.check.metrics.nonfinite_cand > 0 and first.check.metrics.nonfinite_ref == 0
+    assert report.first_nonfinite == {
+        "site": "block 2 ffn",
+        "module": "blocks.2.ffn",
+        "nonfinite_cand": report.first_nonfinite["nonfinite_cand"],
+        "nonfinite_ref": 0,
+    }
+    assert report.first_nonfinite["nonfinite_cand"] > 0
+    assert "non-finite" in first.headline()
+
+
+def test_fast_path_gives_the_same_verdicts(ids):
+    for name in ["gelu_for_silu", "residual_dropped", "attention_scale"]:
+        slow = diff(tinylm.build(), getattr(bugs, name)().to(torch.bfloat16), ids)
+        fast = diff(tinylm.build(), getattr(bugs, name)().to(torch.bfloat16), ids, fast_path=True)
+        assert blamed(fast) == blamed(slow)
+        skipped = [b.index for b in fast.blocks if b.subpaths["residual"].status == "not_needed"]
+        assert skipped == [b for b in range(4) if b != bugs.DEFAULT_BLOCK]
+
+
+def test_unattributed_when_the_hook_map_misses_a_module(ids, tmp_path):
+    # A map that leaves the FFN out: a bug inside it can only show at block level.
+    text = (tmp_path / "partial.toml")
+    text.write_text(
+        'name = "partial"\nmatch = ["TinyLM"]\n[outside]\nembed = "embed"\nhead = "lm_head"\n'
+        '[blocks]\npath = "blocks"\n[blocks.subpaths]\nattention = "attn"\nnorm = ["attn_norm", "ffn_norm"]\n'
+    )
+    from blockdiff import hookmap
+
+    partial = hookmap.load(text)
+    report = diff(tinylm.build(), bugs.gelu_for_silu(block=2), ids, reference_hooks=partial, candidate_hooks=partial)
+    assert blamed(report) == ("block", 2, "unattributed")
