@@ -112,14 +112,19 @@ class Localizer:
 
     # -- single-module experiments -------------------------------------------------------
 
-    def _module_output(self, module: nn.Module, call: Site, hidden: torch.Tensor | None, *, cast: torch.dtype | None) -> torch.Tensor:
+    def _module_output(
+        self, module: nn.Module, call: Site, hidden: dict[str, torch.Tensor] | None, *, cast: torch.dtype | None
+    ) -> torch.Tensor:
         """``module`` called with ``call``'s arguments, floating ones cast to ``cast`` if
-        given, and the hidden state replaced by ``hidden`` (in the call's own dtype)."""
+        given, and its activations replaced by ``hidden`` (in the call's own dtypes)."""
         args = for_replay(call.args, device=self.device, dtype=cast)
         kwargs = for_replay(call.kwargs, device=self.device, dtype=cast)
-        if hidden is not None:
-            own = call.hidden_input()
-            hidden = _cast(hidden, cast if cast is not None else (own.dtype if own is not None else None), self.device)
+        if hidden:
+            own = call.hidden_inputs()
+            hidden = {
+                role: _cast(t, cast if cast is not None else (own[role].dtype if role in own else None), self.device)
+                for role, t in hidden.items()
+            }
             args, kwargs = with_hidden(args, kwargs, hidden)
         out = primary_tensor(module(*args, **kwargs))
         if out is None:
@@ -134,7 +139,7 @@ class Localizer:
         ref_out = r.primary_output()
         if ref_out is None:
             raise PairingError(f"{r.label}: the reference recorded no output tensor")
-        out = self._module_output(self.cand.module(c.module), c, r.hidden_input(), cast=None)
+        out = self._module_output(self.cand.module(c.module), c, r.hidden_inputs(), cast=None)
         _check_shapes(describe_key(c.key), "output", ref_out, out)
         floor = None
         if self.calibrate:
@@ -154,7 +159,7 @@ class Localizer:
         self,
         block: nn.Module,
         call: Site,
-        hidden: torch.Tensor | None,
+        hidden: dict[str, torch.Tensor] | None,
         modules: dict[str, str],
         frozen: dict[tuple[str, int], torch.Tensor] | None,
         *,
@@ -219,8 +224,8 @@ class Localizer:
     ) -> list[Check]:
         """The residual experiment (``frozen``) or the block-level one (nothing frozen)."""
         target = "residual" if frozen else "block"
-        ref_in, ref_out = r_block.hidden_input(), r_block.primary_output()
-        if ref_in is None or ref_out is None:
+        ref_in, ref_out = r_block.hidden_inputs(), r_block.primary_output()
+        if "primary" not in ref_in or ref_out is None:
             raise PairingError(f"{r_block.label}: no hidden input or output recorded")
         frozen_r = {(s.subpath, s.ordinal): s.primary_output() for s in r_sites.values()} if frozen else None
         out, reached = self._run_block(

@@ -26,6 +26,9 @@ MODULE_SUBPATHS = ("attention", "ffn", "norm")
 # Argument names under which implementations pass the hidden state, tried in order when
 # a call has no positional argument (HF Llama-family attention is called keyword-only).
 HIDDEN_KWARGS = ("hidden_states", "hidden_state", "x", "input", "inputs", "input_ids")
+# Keyword arguments that carry activations besides the main hidden state: the encoder
+# output an encoder-decoder's cross-attention reads (HF T5, BART, Whisper).
+SECONDARY_HIDDEN = ("encoder_hidden_states", "key_value_states")
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,11 @@ class Site:
 
     def hidden_input(self) -> torch.Tensor | None:
         """The tensor this call received as its hidden state (see :func:`hidden_location`)."""
-        loc = hidden_location(self.args, self.kwargs)
-        if loc is None:
-            return None
-        kind, where = loc
-        return self.args[where] if kind == "arg" else self.kwargs[where]
+        return hidden_states(self.args, self.kwargs).get("primary")
+
+    def hidden_inputs(self) -> dict[str, torch.Tensor]:
+        """Every activation this call received, by role (see :func:`hidden_states`)."""
+        return hidden_states(self.args, self.kwargs)
 
     def primary_output(self) -> torch.Tensor | None:
         return primary_tensor(self.output)
@@ -174,15 +177,35 @@ def hidden_location(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
     return None
 
 
-def with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
-    """A copy of the call with its hidden state replaced by ``hidden``."""
+def hidden_states(args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    """The activations a call receives, by role: ``"primary"`` (see :func:`hidden_location`)
+    and each of :data:`SECONDARY_HIDDEN` passed as a tensor, under its own name."""
+    found: dict[str, torch.Tensor] = {}
     loc = hidden_location(args, kwargs)
-    if loc is None:
-        return args, kwargs
-    kind, where = loc
-    if kind == "arg":
-        return (hidden, *args[1:]), dict(kwargs)
-    return tuple(args), {**kwargs, where: hidden}
+    if loc is not None:
+        found["primary"] = args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]]
+    for name in SECONDARY_HIDDEN:
+        if isinstance(kwargs.get(name), torch.Tensor) and (loc is None or loc[1] != name):
+            found[name] = kwargs[name]
+    return found
+
+
+def with_hidden(args: tuple, kwargs: dict, hidden: dict[str, torch.Tensor]) -> tuple[tuple, dict]:
+    """A copy of the call with its activations replaced, role by role (roles the call
+    does not have are ignored)."""
+    args, kwargs = tuple(args), dict(kwargs)
+    loc = hidden_location(args, kwargs)
+    for role, tensor in hidden.items():
+        if role == "primary":
+            if loc is None:
+                continue
+            if loc[0] == "arg":
+                args = (tensor, *args[1:])
+            else:
+                kwargs[loc[1]] = tensor
+        elif isinstance(kwargs.get(role), torch.Tensor):
+            kwargs[role] = tensor
+    return args, kwargs
 
 
 def replace_primary(output: Any, tensor: torch.Tensor) -> Any:

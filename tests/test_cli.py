@@ -166,3 +166,23 @@ def test_arch_prints_the_resolved_map(capsys):
         "ffn": ["blocks.2.ffn"],
         "norm": ["blocks.2.attn_norm", "blocks.2.ffn_norm"],
     }
+
+
+def test_tokens_from_safetensors_and_tolerance_override(tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    os.chdir(ROOT)
+    save_file({"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10]])}, str(tmp_path / "ids.safetensors"))
+    args = ["diff", SAMPLE, "samples/bugs.py:gelu_for_silu", "--tokens", str(tmp_path / "ids.safetensors"), "--json", str(tmp_path / "r.json")]
+    code, _, _ = run_cli(args, capsys)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 1 and report["inputs"]["shape"] == [1, 6]
+    # A generous fixed threshold for the FFN alone turns the verdict around.
+    code, _, _ = run_cli([*args, "--tol", "ffn=5", "--tol", "block=5"], capsys)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0, report["first_divergence"]
+    assert report["blocks"][1]["subpaths"]["ffn"]["basis"] == "override"
+    save_file({"input_ids": torch.zeros(2, 3)}, str(tmp_path / "float.safetensors"))
+    code, _, err = run_cli(["diff", SAMPLE, "--tokens", str(tmp_path / "float.safetensors")], capsys)
+    assert code == 2 and "input_ids must be integers, found torch.float32" in err
