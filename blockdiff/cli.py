@@ -120,6 +120,13 @@ def _apply(options: list) -> Callable:
     help="Tolerance policy [default: calibrated when dtypes or devices differ, else fixed].",
 )
 @click.option("--tol", "tols", multiple=True, metavar="SUBPATH=VALUE", help="Fixed rel-L2 threshold for one sub-path or stage; repeatable.")
+@click.option(
+    "--capacity-factor",
+    "capacity_factors",
+    type=float,
+    multiple=True,
+    help="Counterfactual capacity factor for the routing statistics of dropless MoE blocks; repeatable [default: 1.0 and 1.25].",
+)
 @click.option("--fast/--no-fast", default=False, show_default=True, help="Skip sub-path experiments of blocks that are within tolerance as a whole.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report (blockdiff.report/1) here.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the first-divergence line.")
@@ -140,6 +147,7 @@ def diff_command(
     cand_hooks: str | None,
     policy: str | None,
     tols: tuple[str, ...],
+    capacity_factors: tuple[float, ...],
     fast: bool,
     json_path: str | None,
     quiet: bool,
@@ -156,6 +164,7 @@ def diff_command(
       blockdiff diff samples/tinylm.py:build --cand-dtype bfloat16 --json report.json
       blockdiff diff mypkg.models:reference mypkg.models:fused --tol ffn=0.02
       blockdiff diff samples/tinylm.py:build --ref-device cpu --cand-device cuda --cand-dtype bfloat16
+      blockdiff diff samples/tinylm.py:build_moe samples/bugs.py:moe_expert_off_by_one --capacity-factor 1.5
     """
     from . import hookmap
     from .engine import diff
@@ -165,6 +174,8 @@ def diff_command(
     from .tolerance import Tolerance
 
     overrides = _parse_tolerances(tols)
+    if any(not cf > 0 for cf in capacity_factors):
+        raise click.BadParameter("capacity factors must be positive numbers", param_hint="--capacity-factor")
     if hooks_path and (ref_hooks or cand_hooks):
         raise click.UsageError("--hooks applies to both sides; do not combine it with --ref-hooks/--cand-hooks")
     r_device, r_dtype = parse_device(ref_device), parse_dtype(ref_dtype)
@@ -193,6 +204,7 @@ def diff_command(
         reference_hooks=r_map,
         candidate_hooks=c_map,
         fast_path=fast,
+        capacity_factors=capacity_factors or (1.0, 1.25),
         labels=(reference, candidate),
     )
     if json_path:

@@ -66,6 +66,7 @@ def diff(
     reference_hooks: HookMap | None = None,
     candidate_hooks: HookMap | None = None,
     fast_path: bool = False,
+    capacity_factors: tuple[float, ...] = (1.0, 1.25),
     labels: tuple[str | None, str | None] = (None, None),
 ) -> Report:
     """Find where ``candidate`` first diverges from ``reference`` on ``inputs``.
@@ -82,6 +83,8 @@ def diff(
         reference_hooks, candidate_hooks: hook maps; found by class name when ``None``.
         fast_path: skip a block's sub-path experiments when the block as a whole is within
             tolerance.
+        capacity_factors: counterfactual capacity factors for the routing statistics of
+            dropless MoE blocks.
         labels: how the report names the two models (e.g. their specs).
 
     Returns:
@@ -117,7 +120,7 @@ def diff(
         _run("candidate", record, candidate, cand_layout, cand_store, inputs)
         ref_side = Side("reference", reference, ref_layout, ref_store)
         cand_side = Side("candidate", candidate, cand_layout, cand_store)
-        localizer = Localizer(ref_side, cand_side, tolerance, fast_path=fast_path)
+        localizer = Localizer(ref_side, cand_side, tolerance, fast_path=fast_path, capacity_factors=capacity_factors)
         with torch.inference_mode():
             stages = _run("candidate", lambda: list(localizer.stages()))
             blocks = _run("candidate", lambda: list(localizer.blocks()))
@@ -128,6 +131,7 @@ def diff(
             tolerance=tolerance.to_dict(localizer.dtype),
             stages=stages,
             blocks=blocks,
+            moe=localizer.moe,
             first_nonfinite=first_nonfinite(ref_store, cand_store),
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             version=__version__,

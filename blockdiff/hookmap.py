@@ -13,6 +13,7 @@ localization work from the layout only. The format is documented in ``docs/hook-
 from __future__ import annotations
 
 import sys
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -29,6 +30,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OUTSIDE_STAGES = ("embed", "context", "final_norm", "head")
+# ``HookMap.source`` of a map guessed by :func:`detect`; ``blockdiff arch`` prints it.
+AUTO_DETECTED = "auto-detected"
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ class HookMap:
     subpaths: dict[str, tuple[str, ...]]
     prefix: str = ""
     description: str = ""
+    # [blocks.moe]: router path (relative to a block), router output format, and an
+    # optional capacity attribute path (an int, or a callable taking the token count).
+    moe: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +62,8 @@ class BlockLayout:
     subpaths: dict[str, list[str]] = field(default_factory=dict)
     # Modules with parameters that no sub-path covers: their errors would pass for glue.
     unmapped: list[str] = field(default_factory=list)
+    # MoE blocks: {"router": full path, "format": "topk"|"switch", "capacity": full attr path}.
+    moe: dict[str, str] | None = None
 
 
 @dataclass
@@ -76,6 +84,8 @@ class Layout:
             for subpath, paths in block.subpaths.items():
                 for path in paths:
                     sites[path] = ("block", block.index, subpath)
+            if block.moe is not None:
+                sites[block.moe["router"]] = ("block", block.index, "router")
         return sites
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,7 +94,7 @@ class Layout:
             "source": self.hook_map.source,
             "outside": [{"stage": s, "module": p} for s, p in self.outside],
             "blocks": [
-                {"index": b.index, "module": b.path, "stack": b.stack, "subpaths": b.subpaths, "unmapped": b.unmapped}
+                {"index": b.index, "module": b.path, "stack": b.stack, "subpaths": b.subpaths, "unmapped": b.unmapped, "moe": b.moe}
                 for b in self.blocks
             ],
         }
@@ -150,7 +160,34 @@ def parse(text: str, *, source: str) -> HookMap:
         subpaths={k: strings(v, f"blocks.subpaths.{k}") for k, v in raw_subpaths.items()},
         prefix=prefix,
         description=str(data.get("description", "")),
+        moe=_parse_moe(blocks.get("moe", {}), source),
     )
+
+
+def _parse_moe(raw: Any, source: str) -> dict[str, str]:
+    from .moe import FORMATS
+
+    if not isinstance(raw, dict):
+        raise HookMapError(f"hook map {source}: [blocks.moe] must be a table", source=source)
+    if not raw:
+        return {}
+    unknown = sorted(set(raw) - {"router", "format", "capacity"})
+    if unknown or not isinstance(raw.get("router"), str):
+        raise HookMapError(
+            f"hook map {source}: [blocks.moe] takes router (a path), format and capacity"
+            + (f"; found {unknown[0]!r}" if unknown else "; router is missing"),
+            source=source,
+        )
+    fmt = raw.get("format", "topk")
+    if fmt not in FORMATS:
+        raise HookMapError(
+            f"hook map {source}: [blocks.moe] format {fmt!r} is unknown; expected {', '.join(FORMATS)}",
+            source=source,
+        )
+    out = {"router": raw["router"], "format": fmt}
+    if "capacity" in raw:
+        out["capacity"] = str(raw["capacity"])
+    return out
 
 
 def load(path: str | Path) -> HookMap:
@@ -199,12 +236,18 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
 
     Args:
         model: the model to map.
-        hook_map: the map to use; found by the model's class name when ``None``.
+        hook_map: the map to use; when ``None``, the bundled map matching the model's
+            class name, or else one guessed by :func:`detect` (``source`` says so).
 
     Raises:
-        HookMapError: a named module does not exist, or the block list is not a list.
+        HookMapError: a named module does not exist, the block list is not a list, or no
+            map was given, none matches and the anatomy cannot be guessed.
     """
-    hook_map = hook_map or find(model)
+    if hook_map is None:
+        try:
+            hook_map = find(model)
+        except HookMapError:
+            hook_map = detect(model)
     modules = dict(model.named_modules())
 
     def lookup(path: str) -> str | None:
@@ -253,11 +296,18 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
                 for rel in hook_map.subpaths.get(subpath, ()):
                     full = f"{block_path}.{rel}"
                     if full not in modules:
+                        if rel in hook_map.optional:
+                            continue  # absent in this block (an encoder block has no cross-attention)
                         raise missing(f"{subpath} module", full)
                     paths.append(full)
                 if paths:
                     layout.subpaths[subpath] = paths
             layout.unmapped = _unmapped(modules, block_path, layout.subpaths)
+            router = hook_map.moe and f"{block_path}.{hook_map.moe['router']}"
+            if router and router in modules:  # blocks without a router are dense
+                layout.moe = {**hook_map.moe, "router": router}
+                if "capacity" in hook_map.moe:
+                    layout.moe["capacity"] = f"{block_path}.{hook_map.moe['capacity']}"
             blocks.append(layout)
     if not blocks:
         raise HookMapError(f"hook map {hook_map.name}: the block list is empty", source=hook_map.source)
@@ -276,3 +326,170 @@ def _unmapped(modules: dict[str, nn.Module], block_path: str, subpaths: dict[str
         if next(module.parameters(recurse=False), None) is not None:
             found.append(path)
     return found
+
+
+# -- auto-detection ----------------------------------------------------------------------
+#
+# Rules (documented in docs/hook-maps.md, "Auto-detection"). Words are matched in the
+# lower-cased last component of a module's path and in its lower-cased class name.
+_NORM_NAME = re.compile(r"norm|(^|_)ln($|_|\d)")
+_ATTENTION_WORDS = ("attn", "attention")
+_FFN_WORDS = ("mlp", "ffn", "feed_forward", "feedforward", "experts", "moe")
+_CONTEXT_WORDS = ("rotary", "rope")
+
+
+def _role(path: str, module: nn.Module) -> str | None:
+    """The sub-path a module inside a block plays, guessed from its name and class.
+
+    Norms are tried first: ``post_attention_layernorm`` and ``pre_feedforward_layernorm``
+    are norms, not attention or FFN."""
+    leaf = path.rsplit(".", 1)[-1].lower()
+    cls = type(module).__name__.lower()
+    if "norm" in cls or _NORM_NAME.search(leaf):
+        return "norm"
+    if not _has_parameters(module):
+        return None  # dropouts, activations, rotary tables: nothing to attribute
+    if any(w in leaf or w in cls for w in _ATTENTION_WORDS):
+        return "attention"
+    if any(w in leaf or w in cls for w in _FFN_WORDS):
+        return "ffn"
+    return None
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _block_lists(model: nn.Module) -> list[str]:
+    """Paths of the model's block lists: the longest ModuleList/Sequential whose children
+    (two or more) share one class, plus any other such list of the same class (the second
+    stack of an encoder-decoder). Lists inside another list's elements (MoE experts) and
+    lists of parameterless modules are not candidates."""
+    found: list[tuple[str, type, int]] = []
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.children())
+            if len(children) >= 2 and len({type(c) for c in children}) == 1 and _has_parameters(module):
+                found.append((path, type(children[0]), len(children)))
+
+    def nested(path: str) -> bool:
+        return any(other != path and (other == "" or path.startswith(other + ".")) for other, _, _ in found)
+
+    top = [entry for entry in found if not nested(entry[0])]
+    if not top:
+        return []
+    _, cls, _ = max(top, key=lambda entry: entry[2])  # the first of the longest on a tie
+    return [path for path, other, _ in top if other is cls]
+
+
+def _classify_block(block: nn.Module) -> dict[str, list[str]]:
+    """Relative paths of the block's attention, FFN and norm modules: a module whose role
+    is recognised is taken whole (its children belong to it); others are searched inside."""
+    found: dict[str, list[str]] = {}
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            rel = f"{prefix}{name}"
+            role = _role(rel, child)
+            if role is not None:
+                found.setdefault(role, []).append(rel)
+            else:
+                visit(rel + ".", child)
+
+    visit("", block)
+    return found
+
+
+def detect(model: nn.Module) -> HookMap:
+    """Guess a hook map for a model no bundled map matches.
+
+    The block list is the longest ModuleList/Sequential of same-class modules; inside a
+    block, modules are sorted into attention (``attn``/``attention``), ffn
+    (``mlp``/``ffn``/``feed_forward``/``experts``/``moe``) and norm (``norm`` classes and
+    names, ``ln_*``) by their names and classes; outside the blocks, ``nn.Embedding``
+    modules are the embedding, a ``rotary``/``rope`` module the context, norms registered
+    after a block list the final norm, and a ``Linear`` whose ``out_features`` is the
+    vocabulary the head. The result has ``source == "auto-detected"``; check it with
+    ``blockdiff arch`` before trusting a diff.
+
+    Raises:
+        HookMapError: no block list, or blocks with neither attention nor FFN modules;
+            the message points to ``--hooks FILE.toml``.
+    """
+    cls_name = type(model).__name__
+    hint = (
+        f"no hook map matches model class {cls_name}; write one and pass it with --hooks FILE.toml "
+        "(format: docs/hook-maps.md). Auto-detection failed: "
+    )
+    lists = _block_lists(model)
+    if not lists:
+        raise HookMapError(
+            hint + "no block list (a ModuleList or Sequential of two or more modules of one class)",
+            source=AUTO_DETECTED,
+        )
+    modules = dict(model.named_modules())
+    subpaths: dict[str, list[str]] = {}
+    seen: dict[str, int] = {}
+    n_blocks = 0
+    for list_path in lists:
+        for _, block in modules[list_path].named_children():
+            n_blocks += 1
+            for role, rels in _classify_block(block).items():
+                for rel in rels:
+                    if rel not in seen:
+                        subpaths.setdefault(role, []).append(rel)
+                    seen[rel] = seen.get(rel, 0) + 1
+    if "attention" not in subpaths and "ffn" not in subpaths:
+        block_cls = type(next(modules[lists[0]].children())).__name__
+        raise HookMapError(
+            hint + f"the blocks in {lists[0] or 'the model'} ({block_cls}) have no module named or "
+            "typed like attention (attn, attention) or a feed-forward (mlp, ffn, feed_forward, experts)",
+            source=AUTO_DETECTED,
+        )
+    # A module some blocks lack (cross-attention in an encoder block) is optional.
+    optional = tuple(rel for rel, count in seen.items() if count < n_blocks)
+
+    def inside_blocks(path: str) -> bool:
+        return any(path.startswith(p + ".") if p else True for p in lists)
+
+    order = {path: i for i, path in enumerate(modules)}
+    first_block = min(order[p] for p in lists)
+    outside: dict[str, list[str]] = {}
+    embeds = [p for p, m in modules.items() if isinstance(m, nn.Embedding) and p and not inside_blocks(p)]
+    if embeds:
+        outside["embed"] = embeds
+    context = [
+        p
+        for p, m in modules.items()
+        if p and not inside_blocks(p) and any(w in p.rsplit(".", 1)[-1].lower() or w in type(m).__name__.lower() for w in _CONTEXT_WORDS)
+    ]
+    if context:
+        outside["context"] = context
+    norms = [
+        p
+        for p, m in modules.items()
+        if p and not inside_blocks(p) and order[p] > first_block and _role(p, m) == "norm"
+    ]
+    if norms:
+        outside["final_norm"] = norms
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    token_embeds = [modules[p] for p in embeds]
+    if vocab is None and token_embeds:
+        vocab = max(m.num_embeddings for m in token_embeds)
+    heads = [
+        p
+        for p, m in modules.items()
+        if isinstance(m, nn.Linear) and vocab is not None and m.out_features == vocab and not inside_blocks(p)
+    ]
+    if heads:
+        outside["head"] = heads[-1:]
+    return HookMap(
+        name="auto",
+        source=AUTO_DETECTED,
+        match=(cls_name,),
+        outside={k: tuple(v) for k, v in outside.items()},
+        optional=optional,
+        blocks=tuple(lists),
+        subpaths={k: tuple(v) for k, v in subpaths.items()},
+        description=f"guessed from the module tree of {cls_name}",
+    )

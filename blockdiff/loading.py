@@ -3,6 +3,11 @@
 A model spec is ``path/to/file.py:factory`` or ``package.module:factory``: a callable
 returning an ``nn.Module``. The same spec may serve both sides; each side calls the
 factory itself, so the two models are separate objects.
+
+A spec may also be a local Hugging Face model: a directory written by ``save_pretrained``
+(loaded with ``from_pretrained(dir, local_files_only=True)``: nothing is downloaded), or a
+``config.json`` (the model built from the config, with trained-looking weights drawn from
+:data:`CONFIG_SEED`, so both sides built from one config get the same weights).
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ import torch
 from torch import nn
 
 from .errors import InputError, ModelSpecError
+from .weights import trained_looking_
+
+# Weight seed of models built from a config.json: fixed, so both sides agree.
+CONFIG_SEED = 0
 
 DTYPES = {
     "float32": torch.float32,
@@ -69,12 +78,17 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     """The factory a spec names.
 
     Raises:
-        ModelSpecError: malformed spec, unknown file, module or attribute.
+        ModelSpecError: malformed spec, unknown file, module or attribute; a directory
+            without ``config.json``.
     """
+    hf = _hugging_face_factory(spec)
+    if hf is not None:
+        return hf
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr or not attr.isidentifier():
         raise ModelSpecError(
-            f"model spec {spec!r}: expected path/to/file.py:factory or package.module:factory",
+            f"model spec {spec!r}: expected path/to/file.py:factory or package.module:factory, "
+            "a Hugging Face model directory or a config.json",
             spec=spec,
         )
     if target.endswith(".py") or "/" in target or "\\" in target:
@@ -90,6 +104,107 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     if not callable(factory):
         raise ModelSpecError(f"model spec {spec!r}: {attr} is a {type(factory).__name__}, not callable", spec=spec)
     return factory
+
+
+def _hugging_face_factory(spec: str) -> Callable[[], nn.Module] | None:
+    """A factory for a local Hugging Face model directory or config.json; ``None`` when
+    ``spec`` is neither (then it is a ``file.py:factory`` or ``module:factory`` spec)."""
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelSpecError(
+                f"model spec {spec!r}: {path} is a directory without config.json; expected a Hugging Face "
+                "model directory (save_pretrained output)",
+                spec=spec,
+            )
+        return lambda: _from_pretrained(path, spec)
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise ModelSpecError(f"model spec {spec!r}: no such file {path}", spec=spec)
+        return lambda: _from_config(path, spec)
+    return None
+
+
+def _transformers(spec: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError(
+            f"model spec {spec!r}: a Hugging Face model needs transformers (pip install blockdiff[hf])", spec=spec
+        ) from None
+    return transformers
+
+
+def _config(transformers, path: Path, spec: str):
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # malformed JSON, unknown model_type, ...
+        raise ModelSpecError(
+            f"model spec {spec!r}: {path} is not a loadable Hugging Face config ({_first_line(exc)})",
+            spec=spec,
+        ) from exc
+
+
+def _model_class(transformers, config):
+    """The class the config names in ``architectures``, else the causal-LM auto class
+    (or the base-model auto class for configs it does not know)."""
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    if type(config) in transformers.AutoModelForCausalLM._model_mapping:
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModel
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (transformers' messages run over several)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _from_pretrained(path: Path, spec: str) -> nn.Module:
+    transformers = _transformers(spec)
+    cls = _model_class(transformers, _config(transformers, path, spec))
+    hf_logging = transformers.utils.logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # stderr is for the one-line error of the CLI
+    try:
+        return cls.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        raise ModelSpecError(
+            f"model spec {spec!r}: cannot load the Hugging Face model in {path} ({_first_line(exc)})",
+            spec=spec,
+        ) from exc
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _from_config(path: Path, spec: str) -> nn.Module:
+    transformers = _transformers(spec)
+    config = _config(transformers, path, spec)
+    cls = _model_class(transformers, config)
+    try:
+        model = cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls(config)
+    except Exception as exc:
+        raise ModelSpecError(
+            f"model spec {spec!r}: cannot build a model from {path} ({_first_line(exc)})", spec=spec
+        ) from exc
+    model = model.float()
+    # Norms computing x * (1 + w) (Gemma) are initialised to w = 0 by their model; their
+    # trained-looking weights are drawn around 0, the others' around 1.
+    offset = tuple(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if "norm" in type(m).__name__.lower()
+            and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dim() == 1
+            and not bool(m.weight.any())
+        }
+    )
+    return trained_looking_(model, seed=CONFIG_SEED, offset_norms=offset)
 
 
 def _import_file(path: Path, spec: str):
@@ -132,6 +247,8 @@ def build_model(spec: str, *, device: torch.device, dtype: torch.dtype) -> nn.Mo
     factory = load_factory(spec)
     try:
         model = factory()
+    except ModelSpecError:
+        raise
     except Exception as exc:
         raise ModelSpecError(
             f"model spec {spec!r}: the factory raised {type(exc).__name__}: {exc}", spec=spec

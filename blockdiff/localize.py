@@ -36,10 +36,15 @@ from .site import (
     describe_key,
     for_replay,
     hidden_location,
+    iter_tensors,
+    map_structure,
     primary_tensor,
     replace_primary,
+    snapshot,
     with_hidden,
 )
+from .moe import Decision, decision, router_checks
+from .moe_stats import moe_block_stats
 from .store import SiteStore
 from .tolerance import Tolerance, working_dtype
 
@@ -97,9 +102,18 @@ class Localizer:
         tolerance: the judging policy, already resolved (see :meth:`Tolerance.resolved`).
         fast_path: skip a block's sub-path experiments when the block-level local error is
             within tolerance (they are reported as ``not_needed``).
+        capacity_factors: the counterfactual capacity factors of dropless MoE statistics.
     """
 
-    def __init__(self, reference: Side, candidate: Side, tolerance: Tolerance, *, fast_path: bool = False) -> None:
+    def __init__(
+        self,
+        reference: Side,
+        candidate: Side,
+        tolerance: Tolerance,
+        *,
+        fast_path: bool = False,
+        capacity_factors: tuple[float, ...] = (1.0, 1.25),
+    ) -> None:
         if candidate.model is None:
             raise PairingError("the candidate needs a live model for localization")
         self.ref = reference
@@ -109,12 +123,12 @@ class Localizer:
         self.device = candidate.device
         self.dtype = working_dtype(reference.dtype, candidate.dtype)
         self.calibrate = tolerance.calibrated and reference.model is not None
+        self.capacity_factors = tuple(capacity_factors)
+        self.moe: list[dict[str, Any]] = []  # routing statistics, one entry per MoE block
 
     # -- single-module experiments -------------------------------------------------------
 
-    def _module_output(
-        self, module: nn.Module, call: Site, hidden: dict[str, torch.Tensor] | None, *, cast: torch.dtype | None
-    ) -> torch.Tensor:
+    def _call(self, module: nn.Module, call: Site, hidden: dict[str, torch.Tensor] | None, *, cast: torch.dtype | None) -> Any:
         """``module`` called with ``call``'s arguments, floating ones cast to ``cast`` if
         given, and its activations replaced by ``hidden`` (in the call's own dtypes)."""
         args = for_replay(call.args, device=self.device, dtype=cast)
@@ -126,7 +140,13 @@ class Localizer:
                 for role, t in hidden.items()
             }
             args, kwargs = with_hidden(args, kwargs, hidden)
-        out = primary_tensor(module(*args, **kwargs))
+        return module(*args, **kwargs)
+
+    def _module_output(
+        self, module: nn.Module, call: Site, hidden: dict[str, torch.Tensor] | None, *, cast: torch.dtype | None
+    ) -> torch.Tensor:
+        """The primary output tensor of :meth:`_call`."""
+        out = primary_tensor(self._call(module, call, hidden, cast=cast))
         if out is None:
             raise PairingError(f"{call.label}: the module returned no tensor")
         return out
@@ -161,13 +181,14 @@ class Localizer:
         call: Site,
         hidden: dict[str, torch.Tensor] | None,
         modules: dict[str, str],
-        frozen: dict[tuple[str, int], torch.Tensor] | None,
+        frozen: dict[tuple[str, int], Any] | None,
         *,
         cast: torch.dtype | None,
     ) -> tuple[torch.Tensor, dict[tuple[str, int], torch.Tensor]]:
-        """Run ``block`` on ``hidden``; with ``frozen``, every sub-path module's output is
-        replaced by the given tensor. Returns the block output and the hidden input that
-        reached each sub-path module, keyed by (sub-path, ordinal).
+        """Run ``block`` on ``hidden``; the output of each module in ``frozen`` (keyed by
+        (sub-path, ordinal)) is replaced by the recorded one: its primary tensor, or for a
+        router the whole routing decision. Returns the block output and the hidden input
+        that reached each module of ``modules``, keyed by (sub-path, ordinal).
 
         The hooks below are added to the block's modules for this one call and removed in
         ``finally``; the replacing hook keeps the module's tuple structure.
@@ -195,8 +216,10 @@ class Localizer:
                 key = current.pop(rel)
                 if frozen is None or key not in frozen:
                     return None
+                if key[0] == "router":
+                    return _replace_all(output, frozen[key], self.device)
                 own = primary_tensor(output)
-                return replace_primary(output, _cast_like(frozen[key], own, self.device))
+                return replace_primary(output, _cast_like(primary_tensor(frozen[key]), own, self.device))
 
             return hook
 
@@ -219,15 +242,19 @@ class Localizer:
         c_block: Site,
         r_sites: dict[tuple, Site],
         c_sites: dict[tuple, Site],
+        routers: dict[tuple[str, int], Any],
         *,
         frozen: bool,
     ) -> list[Check]:
-        """The residual experiment (``frozen``) or the block-level one (nothing frozen)."""
+        """The residual experiment (``frozen``) or the block-level one (nothing frozen but
+        MoE routing, fixed at the reference's so that precision flips stay out of it)."""
         target = "residual" if frozen else "block"
         ref_in, ref_out = r_block.hidden_inputs(), r_block.primary_output()
         if "primary" not in ref_in or ref_out is None:
             raise PairingError(f"{r_block.label}: no hidden input or output recorded")
-        frozen_r = {(s.subpath, s.ordinal): s.primary_output() for s in r_sites.values()} if frozen else None
+        frozen_r = dict(routers)
+        if frozen:
+            frozen_r.update({(s.subpath, s.ordinal): s.output for s in r_sites.values()})
         out, reached = self._run_block(
             self.cand.module(c_block.module), c_block, ref_in, _relative(c_layout), frozen_r, cast=None
         )
@@ -260,6 +287,76 @@ class Localizer:
             )
         return checks
 
+    # -- MoE blocks ------------------------------------------------------------------------
+
+    def _decision(self, side: Side, layout: BlockLayout, router: Site, output: Any = None) -> Decision:
+        assert layout.moe is not None
+        output = router.output if output is None else output
+        routing = decision(output, layout.moe["format"], what=router.label)
+        capacity = _capacity(side, layout.moe.get("capacity"), routing.routing.logits.shape[0])
+        routing.routing.capacity = capacity
+        return routing
+
+    def _moe_checks(self, r_ffn: Site, c_ffn: Site, r_router: Site, c_router: Site, r_layout: BlockLayout, c_layout: BlockLayout) -> list[Check]:
+        """An MoE ffn judged as router (logits, weights where top-k agree, flips by margin)
+        and experts (the candidate MoE with routing frozen at the reference's)."""
+        ref = self._decision(self.ref, r_layout, r_router)
+        out = self._call(self.cand.module(c_router.module), c_router, r_router.hidden_inputs(), cast=None)
+        cand = self._decision(self.cand, c_layout, c_router, snapshot(out))
+        floor = None
+        if self.calibrate:
+            copy_ = self._floor_module(self.ref.module(r_router.module))
+            floor = self._decision(self.ref, r_layout, r_router, snapshot(self._call(copy_, r_router, None, cast=self.dtype)))
+        checks = router_checks(ref, cand, floor, module=c_router.module, tolerance=self.tolerance, dtype=self.dtype)
+
+        ref_out = r_ffn.primary_output()
+        assert ref_out is not None
+        routing = {("router", 0): r_router.output}
+        c_rel = c_router.module[len(c_ffn.module) + 1 :]
+        out, _ = self._run_block(self.cand.module(c_ffn.module), c_ffn, r_ffn.hidden_inputs(), {c_rel: "router"}, routing, cast=None)
+        _check_shapes(describe_key(c_ffn.key), "output", ref_out, out)
+        experts_floor = None
+        if self.calibrate:
+            copy_ = self._floor_module(self.ref.module(r_ffn.module))
+            r_rel = r_router.module[len(r_ffn.module) + 1 :]
+            f_out, _ = self._run_block(copy_, r_ffn, None, {r_rel: "router"}, routing, cast=self.dtype)
+            experts_floor = metrics(ref_out, f_out, dtype=self.dtype).rel_l2
+        checks.append(
+            Check(
+                "experts (routing frozen at the reference's)",
+                c_ffn.module,
+                metrics(ref_out, out, dtype=self.dtype),
+                self.tolerance.threshold("ffn", self.dtype, experts_floor),
+            )
+        )
+        return checks
+
+    def _moe_statistics(
+        self,
+        index: int,
+        r_routers: dict[tuple, Site],
+        c_routers: dict[tuple, Site],
+        r_layout: BlockLayout,
+        c_layout: BlockLayout,
+        ffn: SubpathResult | None,
+    ) -> dict[str, Any]:
+        """Routing statistics of one MoE block: both free-running sides and their agreement."""
+        key = min(r_routers, key=lambda k: k[3])
+        ref = self._decision(self.ref, r_layout, r_routers[key])
+        cand = self._decision(self.cand, c_layout, c_routers[key])
+        stats = moe_block_stats(ref.routing, cand.routing, capacity_factors=self.capacity_factors)
+        local = None
+        if ffn is not None:
+            flips = next((c for c in ffn.checks if c.what == "routing flips"), None)
+            local = None if flips is None else flips.details
+        return {
+            "block": index,
+            "router": c_routers[key].module,
+            "format": c_layout.moe["format"] if c_layout.moe else None,
+            **stats,
+            "local_flips": local,
+        }
+
     # -- per stage and per block ----------------------------------------------------------
 
     def stages(self) -> Iterator[StageResult]:
@@ -291,22 +388,43 @@ class Localizer:
         if block_key not in r_all or block_key not in c_all:
             raise PairingError(f"block {index}: the block's own call was not recorded on both sides")
         r_block, c_block = r_all.pop(block_key), c_all.pop(block_key)
+        r_routers = {k: r_all.pop(k) for k in [k for k, s in r_all.items() if s.subpath == "router"]}
+        c_routers = {k: c_all.pop(k) for k in [k for k, s in c_all.items() if s.subpath == "router"]}
         r_layout = _layout_block(self.ref.layout, index)
         c_layout = _layout_block(self.cand.layout, index)
         _check_paired(r_all, c_all)
+        moe = r_layout is not None and c_layout is not None and r_layout.moe is not None and c_layout.moe is not None
+        if moe:
+            _check_paired(r_routers, c_routers)
+        frozen_routing = {("router", s.ordinal): s.output for s in r_routers.values()} if moe else {}
         block_check = None
         if c_layout is not None:
-            (block_check,) = self._block_checks(r_layout, c_layout, r_block, c_block, r_all, c_all, frozen=False)
-        skip = self.fast_path and block_check is not None and not block_check.diverged
+            (block_check,) = self._block_checks(
+                r_layout, c_layout, r_block, c_block, r_all, c_all, frozen_routing, frozen=False
+            )
+        # The whole-block experiment runs with routing frozen, so it cannot clear a router:
+        # MoE blocks always get their sub-path experiments.
+        skip = self.fast_path and not moe and block_check is not None and not block_check.diverged
         subpaths: dict[str, SubpathResult] = {}
         for key, r in sorted(r_all.items(), key=lambda kv: kv[1].order):
             result = subpaths.setdefault(r.subpath, SubpathResult("not_needed" if skip else "checked", order=r.order))
-            if not skip:
+            if skip:
+                continue
+            router_key = ("block", index, "router", r.ordinal)
+            if moe and r.subpath == "ffn" and router_key in r_routers:
+                result.checks.extend(
+                    self._moe_checks(r, c_all[key], r_routers[router_key], c_routers[router_key], r_layout, c_layout)
+                )
+            else:
                 result.checks.append(self._module_check(r.subpath, r, c_all[key]))
         last = max((s.order for s in r_all.values()), default=r_block.order)
         residual = SubpathResult("not_needed" if skip else "checked", order=last + 0.5)
         if not skip and c_layout is not None and r_layout is not None:
-            residual.checks = self._block_checks(r_layout, c_layout, r_block, c_block, r_all, c_all, frozen=True)
+            residual.checks = self._block_checks(
+                r_layout, c_layout, r_block, c_block, r_all, c_all, frozen_routing, frozen=True
+            )
+        if moe:
+            self.moe.append(self._moe_statistics(index, r_routers, c_routers, r_layout, c_layout, subpaths.get("ffn")))
         subpaths["residual"] = residual
         return BlockResult(
             index=index,
@@ -318,6 +436,31 @@ class Localizer:
             order=r_block.order,
             unmapped=list(c_layout.unmapped) if c_layout else [],
         )
+
+
+def _replace_all(output: Any, recorded: Any, device: torch.device) -> Any:
+    """``recorded`` in place of ``output``, each floating tensor cast to the dtype of the
+    tensor it replaces (a router's whole decision: logits, weights, indices)."""
+    own = list(iter_tensors(output))
+    position = iter(range(len(own) + 1))
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        i = next(position)
+        return _cast_like(t, own[i] if i < len(own) else None, device)
+
+    return for_replay(map_structure(recorded, cast), device=device)
+
+
+def _capacity(side: Side, path: str | None, tokens: int) -> int | None:
+    """An MoE's own expert capacity: the attribute ``path`` names (an int, or a callable
+    taking the token count), or ``None`` for dropless models."""
+    if path is None or side.model is None:
+        return None
+    owner, _, attr = path.rpartition(".")
+    value = getattr(side.model.get_submodule(owner), attr, None)
+    if callable(value):
+        value = value(tokens)
+    return None if value is None else int(value)
 
 
 def _check_paired(reference: dict[tuple, Site], candidate: dict[tuple, Site]) -> None:
@@ -337,9 +480,12 @@ def _layout_block(layout: Layout | None, index: int) -> BlockLayout | None:
 
 
 def _relative(layout: BlockLayout) -> dict[str, str]:
-    """Sub-path module paths relative to the block → sub-path."""
+    """Sub-path module paths (and an MoE router's) relative to the block → sub-path."""
     prefix = layout.path + "."
-    return {path[len(prefix):]: subpath for subpath, paths in layout.subpaths.items() for path in paths}
+    found = {path[len(prefix):]: subpath for subpath, paths in layout.subpaths.items() for path in paths}
+    if layout.moe is not None:
+        found[layout.moe["router"][len(prefix):]] = "router"
+    return found
 
 
 def _drift(r: Site, c: Site, dtype: torch.dtype) -> Metrics | None:

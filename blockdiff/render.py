@@ -34,11 +34,11 @@ def _cell(check: Check | None, status: str = "checked") -> Text:
         return Text("·", style="dim")
     if check is None:
         return Text("—", style="dim")
-    m = check.metrics
-    if m.nonfinite_cand != m.nonfinite_ref:
-        value = f"{m.nonfinite_cand} non-finite"
+    nonfinite_ref, nonfinite_cand = check.nonfinite
+    if nonfinite_cand != nonfinite_ref:
+        value = f"{nonfinite_cand} non-finite"
     else:
-        value = f"{m.rel_l2:.2e}"
+        value = f"{check.measured:.2e}"
     mark = "!" if check.diverged else ""
     return Text(value + mark, style=_style(check.ratio, check.diverged))
 
@@ -114,6 +114,8 @@ def render(report: Report, console: Console | None = None) -> None:
     for stage in after:
         table.add_row(stage.stage, *blank, _cell(stage.local), _drift_cell(stage.drift and stage.drift.rel_l2))
     console.print(table)
+    if report.moe:
+        console.print(_moe_table(report.moe))
     divergences = report.divergences
     if len(divergences) > 1:
         console.print(f"{len(divergences)} divergent sites:", highlight=False)
@@ -166,3 +168,55 @@ def render_layout(layout: Layout, label: str, console: Console | None = None) ->
             f"(e.g. {escape(unmapped[0])}); their errors cannot be separated from the block's glue",
             highlight=False,
         )
+
+
+BARS = " ▁▂▃▄▅▆▇█"
+
+
+def _bar(counts: list[int]) -> str:
+    """Per-expert counts as one row of bars, scaled to the largest."""
+    top = max(counts) if counts else 0
+    if top == 0:
+        return BARS[0] * len(counts)
+    return "".join(BARS[round(c / top * (len(BARS) - 1))] for c in counts)
+
+
+def _drop_rate(stats: dict) -> str:
+    if stats.get("capacity") is not None:
+        return f"{stats['assignment_drop_rate']:.1%}"
+    counterfactual = stats.get("counterfactual") or {}
+    if not counterfactual:
+        return "—"
+    cf, entry = next(iter(counterfactual.items()))
+    return f"{entry['assignment_drop_rate']:.1%} @cf{cf}"
+
+
+def _moe_table(moe: list[dict]) -> Table:
+    """Per MoE block and side: routing entropy, loads, drops, agreement, counts."""
+    table = Table(
+        title="MoE routing per block (entropy normalized by ln E; drops: the model's capacity, "
+        "or counterfactual at the first capacity factor)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for name in ("block", "side", "entropy", "max load", "min load", "drops", "top-k agree", "flips", "tokens per expert"):
+        table.add_column(name, no_wrap=True, justify="left" if name in ("side", "tokens per expert") else "right")
+    for entry in moe:
+        agreement = entry["agreement"]
+        local = entry.get("local_flips") or {}
+        flips = f"{local.get('flipped', 0)} ({local.get('unexplained', 0)} unexplained)" if local else "—"
+        for side in ("reference", "candidate"):
+            stats = entry[side]
+            first = side == "reference"
+            table.add_row(
+                str(entry["block"]) if first else "",
+                "ref" if first else "cand",
+                f"{stats['routing_entropy_norm']:.3f}",
+                f"{stats['max_load']:.1%}",
+                f"{stats['min_load']:.1%}",
+                _drop_rate(stats),
+                f"{agreement['topk_agreement']:.1%}" if first else "",
+                flips if first else "",
+                _bar(stats["counts"]),
+            )
+    return table

@@ -22,34 +22,73 @@ SCHEMA = "blockdiff.report/1"
 
 @dataclass
 class Check:
-    """One local-error comparison: what was compared, its metrics and its threshold."""
+    """One local-error comparison: what was compared, its metrics and its threshold.
 
-    what: str  # "output", "block output", "input of model.layers.1.mlp", ...
+    Most checks judge the relative L2 of ``metrics``; a check with its own measure (the
+    routing-flip margin ratio of an MoE router) carries it as ``value`` under ``metric``.
+    """
+
+    what: str  # "output", "block output", "input of model.layers.1.mlp", "router logits", ...
     module: str
-    metrics: Metrics
+    metrics: Metrics | None
     threshold: Threshold
+    value: float | None = None
+    metric: str = "rel_l2"
+    details: dict[str, Any] | None = None
+
+    @property
+    def measured(self) -> float:
+        if self.value is not None:
+            return self.value
+        assert self.metrics is not None
+        return self.metrics.rel_l2
 
     @property
     def ratio(self) -> float:
         if self.threshold.value <= 0:
-            return math.inf if self.metrics.rel_l2 > 0 else 0.0
-        return self.metrics.rel_l2 / self.threshold.value
+            return math.inf if self.measured > 0 else 0.0
+        return self.measured / self.threshold.value
 
     @property
     def diverged(self) -> bool:
-        return not self.metrics.rel_l2 <= self.threshold.value  # NaN counts as diverged
+        return not self.measured <= self.threshold.value  # NaN counts as diverged
+
+    @property
+    def nonfinite(self) -> tuple[int, int]:
+        """(reference, candidate) counts of NaN/Inf."""
+        if self.metrics is None:
+            return (0, 0)
+        return (self.metrics.nonfinite_ref, self.metrics.nonfinite_cand)
+
+    @property
+    def part(self) -> str | None:
+        """``router`` or ``experts`` for the checks of an MoE block's ffn."""
+        if self.what.startswith(("router", "routing")):
+            return "router"
+        if self.what.startswith("experts"):
+            return "experts"
+        return None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "what": self.what,
-            "module": self.module,
-            **self.metrics.to_dict(),
-            "threshold": json_number(self.threshold.value),
-            "floor": None if self.threshold.floor is None else json_number(self.threshold.floor),
-            "basis": self.threshold.basis,
-            "ratio": json_number(self.ratio),
-            "diverged": self.diverged,
-        }
+        out: dict[str, Any] = {"what": self.what, "module": self.module, "metric": self.metric}
+        if self.part is not None:
+            out["part"] = self.part
+        if self.metrics is not None:
+            out.update(self.metrics.to_dict())
+        if self.value is not None:
+            out["value"] = json_number(self.value)
+        out.update(
+            {
+                "threshold": json_number(self.threshold.value),
+                "floor": None if self.threshold.floor is None else json_number(self.threshold.floor),
+                "basis": self.threshold.basis,
+                "ratio": json_number(self.ratio),
+                "diverged": self.diverged,
+            }
+        )
+        if self.details is not None:
+            out["details"] = self.details
+        return out
 
 
 @dataclass
@@ -110,31 +149,35 @@ class Divergence:
     stack: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        nonfinite_ref, nonfinite_cand = self.check.nonfinite
         return {
             "stage": self.stage,
             "block": self.block,
             "stack": self.stack,
             "subpath": self.subpath,
+            "part": self.check.part,
             "module": self.module,
             "what": self.check.what,
-            "metric": "rel_l2",
-            "value": json_number(self.check.metrics.rel_l2),
+            "metric": self.check.metric,
+            "value": json_number(self.check.measured),
             "threshold": json_number(self.check.threshold.value),
             "ratio": json_number(self.check.ratio),
-            "nonfinite_ref": self.check.metrics.nonfinite_ref,
-            "nonfinite_cand": self.check.metrics.nonfinite_cand,
+            "nonfinite_ref": nonfinite_ref,
+            "nonfinite_cand": nonfinite_cand,
         }
 
     def headline(self) -> str:
         where = f"block {self.block} {self.subpath}" if self.stage == "block" else self.stage
-        m = self.check.metrics
-        if m.nonfinite_cand != m.nonfinite_ref:
+        if self.check.part is not None:
+            where += f" [{self.check.part}: {self.check.what}]"
+        nonfinite_ref, nonfinite_cand = self.check.nonfinite
+        if nonfinite_cand != nonfinite_ref:
             return (
-                f"{where} ({self.module}): {m.nonfinite_cand} non-finite values in the candidate, "
-                f"{m.nonfinite_ref} in the reference"
+                f"{where} ({self.module}): {nonfinite_cand} non-finite values in the candidate, "
+                f"{nonfinite_ref} in the reference"
             )
         return (
-            f"{where} ({self.module}): rel_l2 {m.rel_l2:.3g} > threshold "
+            f"{where} ({self.module}): {self.check.metric} {self.check.measured:.3g} > threshold "
             f"{self.check.threshold.value:.3g} ({self.check.ratio:.1f}x)"
         )
 

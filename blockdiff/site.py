@@ -29,6 +29,13 @@ HIDDEN_KWARGS = ("hidden_states", "hidden_state", "x", "input", "inputs", "input
 # Keyword arguments that carry activations besides the main hidden state: the encoder
 # output an encoder-decoder's cross-attention reads (HF T5, BART, Whisper).
 SECONDARY_HIDDEN = ("encoder_hidden_states", "key_value_states")
+# Positional arguments after the hidden state are activations too when they look like one:
+# a floating tensor with the hidden state's number of dimensions and last dimension. HF
+# T5Stack passes the encoder output to each decoder T5Block positionally (argument 3),
+# nn.MultiheadAttention takes query, key and value positionally. Masks, position biases
+# ([batch, heads, q, k]) and rotary tables ([seq, head_dim]) do not match, and stay the
+# side's own. Such an activation's role is ``"arg<i>"``, ``i`` its position.
+POSITIONAL_ROLE = "arg{}"
 
 
 @dataclass(frozen=True)
@@ -178,16 +185,32 @@ def hidden_location(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
 
 
 def hidden_states(args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
-    """The activations a call receives, by role: ``"primary"`` (see :func:`hidden_location`)
-    and each of :data:`SECONDARY_HIDDEN` passed as a tensor, under its own name."""
+    """The activations a call receives, by role: ``"primary"`` (see :func:`hidden_location`),
+    each of :data:`SECONDARY_HIDDEN` passed as a tensor, under its own name, and positional
+    arguments that look like the hidden state, as ``"arg<i>"`` (see :data:`POSITIONAL_ROLE`)."""
     found: dict[str, torch.Tensor] = {}
     loc = hidden_location(args, kwargs)
-    if loc is not None:
-        found["primary"] = args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]]
+    if loc is None:
+        return found
+    primary = args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]]
+    found["primary"] = primary
     for name in SECONDARY_HIDDEN:
-        if isinstance(kwargs.get(name), torch.Tensor) and (loc is None or loc[1] != name):
+        if isinstance(kwargs.get(name), torch.Tensor) and loc[1] != name:
             found[name] = kwargs[name]
+    for i, value in enumerate(args):
+        if loc != ("arg", i) and _like_hidden(value, primary):
+            found[POSITIONAL_ROLE.format(i)] = value
     return found
+
+
+def _like_hidden(value: Any, primary: torch.Tensor) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and primary.is_floating_point()
+        and value.dim() == primary.dim() >= 2
+        and value.shape[-1] == primary.shape[-1]
+    )
 
 
 def with_hidden(args: tuple, kwargs: dict, hidden: dict[str, torch.Tensor]) -> tuple[tuple, dict]:
@@ -203,6 +226,10 @@ def with_hidden(args: tuple, kwargs: dict, hidden: dict[str, torch.Tensor]) -> t
                 args = (tensor, *args[1:])
             else:
                 kwargs[loc[1]] = tensor
+        elif role.startswith("arg") and role[3:].isdigit():
+            i = int(role[3:])
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                args = (*args[:i], tensor, *args[i + 1:])
         elif isinstance(kwargs.get(role), torch.Tensor):
             kwargs[role] = tensor
     return args, kwargs

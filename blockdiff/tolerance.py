@@ -103,12 +103,16 @@ class Tolerance:
     def calibrated(self) -> bool:
         return self.policy == "calibrated"
 
+    def multiplier_for(self, dtype: torch.dtype) -> float:
+        """The calibrated multiplier for a working dtype."""
+        return self.multiplier if self.multiplier is not None else MULTIPLIER.get(dtype, 2.0)
+
     def threshold(self, target: str, dtype: torch.dtype, floor: float | None = None) -> Threshold:
         """The threshold of one site: ``target`` is its sub-path or stage name."""
         if target in self.overrides:
             return Threshold(self.overrides[target], "override", floor)
         if self.calibrated and floor is not None:
-            mult = self.multiplier if self.multiplier is not None else MULTIPLIER.get(dtype, 2.0)
+            mult = self.multiplier_for(dtype)
             atol = self.atol if self.atol is not None else ATOL.get(dtype, 1e-5)
             return Threshold(mult * floor + atol, "calibrated", floor)
         value = self.fixed if self.fixed is not None else FIXED.get(dtype, FIXED[torch.float32])
@@ -118,7 +122,7 @@ class Tolerance:
         return {
             "policy": self.policy,
             "dtype": str(dtype).removeprefix("torch."),
-            "multiplier": self.multiplier if self.multiplier is not None else MULTIPLIER.get(dtype, 2.0),
+            "multiplier": self.multiplier_for(dtype),
             "atol": self.atol if self.atol is not None else ATOL.get(dtype, 1e-5),
             "fixed": self.fixed if self.fixed is not None else FIXED.get(dtype, FIXED[torch.float32]),
             "overrides": dict(self.overrides),

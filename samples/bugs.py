@@ -127,6 +127,77 @@ def nan_in_ffn(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
     return model
 
 
+class NotRenormalized(tinylm.Router):
+    """Top-k weights left as softmax probabilities where the model renormalizes them."""
+
+    def forward(self, x):
+        logits = self.logits(x)
+        weights, indices = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return logits, weights, indices
+
+
+class SoftmaxAfterTopk(tinylm.Router):
+    """Softmax taken over the top-k logits instead of over all experts before top-k."""
+
+    def forward(self, x):
+        logits = self.logits(x)
+        top, indices = logits.topk(self.top_k, dim=-1)
+        return logits, top.softmax(-1), indices
+
+
+class LowPrecisionRouter(tinylm.Router):
+    """The router computed in float8 (e4m3), as a quantization pass that forgot to skip
+    it, where the reference keeps it in float32."""
+
+    def logits(self, x):
+        fp8 = torch.float8_e4m3fn
+        return F.linear(x.to(fp8).float(), self.weight.to(fp8).float())
+
+
+class ExpertOffByOne(tinylm.MoE):
+    """Tokens routed to expert e are computed by expert e+1."""
+
+    def expert_for(self, e):
+        return (e + 1) % len(self.experts)
+
+
+def _plant_moe(block: int, where: str, cls: type[nn.Module], **options) -> tinylm.TinyLM:
+    model = tinylm.build_moe(**options)
+    ffn = model.blocks[block].ffn
+    (ffn if where == "moe" else ffn.router).__class__ = cls
+    return model
+
+
+def moe_not_renormalized(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    """Candidate of ``tinylm.build_moe``."""
+    return _plant_moe(block, "router", NotRenormalized)
+
+
+def moe_softmax_after_topk(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    """Candidate of ``tinylm.build_moe_unnormalized`` (with renormalization the two orders
+    give the same weights)."""
+    return _plant_moe(block, "router", SoftmaxAfterTopk, norm_topk=False)
+
+
+def moe_router_low_precision(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    """Candidate of ``tinylm.build_moe``."""
+    return _plant_moe(block, "router", LowPrecisionRouter)
+
+
+def moe_expert_off_by_one(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    """Candidate of ``tinylm.build_moe``."""
+    return _plant_moe(block, "moe", ExpertOffByOne)
+
+
+# MoE bug → (reference factory in samples/tinylm.py, part blamed inside the ffn).
+MOE_BUGS: dict[str, tuple[str, str]] = {
+    "moe_not_renormalized": ("build_moe", "router"),
+    "moe_softmax_after_topk": ("build_moe_unnormalized", "router"),
+    "moe_router_low_precision": ("build_moe", "router"),
+    "moe_expert_off_by_one": ("build_moe", "experts"),
+}
+
+
 # factory name → (stage, sub-path) blockdiff must blame.
 BUGS: dict[str, tuple[str, str | None]] = {
     "norm_as_layernorm": ("block", "norm"),

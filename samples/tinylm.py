@@ -3,7 +3,9 @@
 Token embedding → blocks (RMSNorm, causal self-attention with RoPE and grouped-query
 heads, SwiGLU feed-forward) → final RMSNorm → vocabulary projection tied to the embedding.
 Blocks are pre-norm by default; ``residual="post"`` gives post-norm blocks and
-``residual="parallel"`` GPT-NeoX-style parallel blocks.
+``residual="parallel"`` GPT-NeoX-style parallel blocks. ``experts=N`` replaces the
+feed-forward of every block by a mixture of experts (a float32 top-k router and N SwiGLU
+experts, optionally with an expert capacity that drops tokens first-come by position).
 
 ``build()`` is the factory blockdiff loads (``samples/tinylm.py:build``): a fixed seed and
 weights that look trained, so a second call returns the same weights.
@@ -11,6 +13,7 @@ weights that look trained, so a second call returns the same weights.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +34,11 @@ class Config:
     eps: float = 1e-6
     rope_theta: float = 10000.0
     residual: str = "pre"  # "pre", "post" or "parallel"
+    experts: int = 0  # 0: dense SwiGLU; N: mixture of N experts
+    top_k: int = 2
+    norm_topk: bool = True  # renormalize the top-k routing weights to sum to 1
+    capacity_factor: float | None = None  # None: dropless
+    expert_intermediate: int = 96
 
     @property
     def head_dim(self) -> int:
@@ -101,15 +109,80 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, intermediate: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+        intermediate = intermediate or cfg.intermediate
+        self.gate_proj = nn.Linear(cfg.hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, cfg.hidden, bias=False)
         self.act = F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k router computed in float32 whatever the model's dtype.
+
+    Returns ``(logits [T, E], weights [T, k], indices [T, k])`` like Hugging Face's MoE
+    routers: softmax over all experts, then top-k, then (``norm_topk``) renormalized.
+    """
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.hidden))
+        self.top_k = cfg.top_k
+        self.norm_topk = cfg.norm_topk
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.logits(x)
+        weights, indices = logits.softmax(-1).topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights, indices
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = nn.ModuleList(SwiGLU(cfg, cfg.expert_intermediate) for _ in range(cfg.experts))
+        self.top_k = cfg.top_k
+        self.capacity_factor = cfg.capacity_factor
+
+    def capacity(self, tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / len(self.experts))
+
+    def keep(self, indices: torch.Tensor) -> torch.Tensor:
+        """[T, k] bool: assignments within capacity, first come by position (token by
+        token, a token's slots in order)."""
+        capacity = self.capacity(indices.shape[0])
+        if capacity is None:
+            return torch.ones_like(indices, dtype=torch.bool)
+        onehot = F.one_hot(indices.reshape(-1), len(self.experts))
+        position = (onehot.cumsum(0) * onehot).sum(-1).view_as(indices)
+        return position <= capacity
+
+    def expert_for(self, e: int) -> int:
+        return e
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        _, weights, indices = self.router(flat)
+        keep = self.keep(indices)
+        out = torch.zeros_like(flat)
+        for e in range(len(self.experts)):
+            token, slot = torch.where((indices == e) & keep)
+            if token.numel():
+                y = self.experts[self.expert_for(e)](flat[token]) * weights[token, slot, None].to(flat.dtype)
+                out.index_add_(0, token, y)
+        return out.view(shape)
 
 
 class Block(nn.Module):
@@ -118,7 +191,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden, cfg.eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.eps)
-        self.ffn = SwiGLU(cfg)
+        self.ffn = MoE(cfg) if cfg.experts else SwiGLU(cfg)
         self.residual = cfg.residual
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -169,3 +242,18 @@ def build_parallel(*, seed: int = 0) -> TinyLM:
 def build_post_norm(*, seed: int = 0) -> TinyLM:
     """Post-norm (original Transformer) variant."""
     return build(seed=seed, residual="post")
+
+
+def build_moe(*, seed: int = 0, **options) -> TinyLM:
+    """Mixture-of-experts variant: 8 experts, top-2, renormalized weights, dropless."""
+    return build(seed=seed, **{"experts": 8, "top_k": 2, **options})
+
+
+def build_moe_unnormalized(*, seed: int = 0) -> TinyLM:
+    """MoE variant whose top-k weights are not renormalized (Qwen2-MoE style)."""
+    return build_moe(seed=seed, norm_topk=False)
+
+
+def build_moe_capacity(*, seed: int = 0) -> TinyLM:
+    """MoE variant with an expert capacity (factor 1.0) that drops tokens by position."""
+    return build_moe(seed=seed, capacity_factor=1.0)

@@ -1,0 +1,870 @@
+"""HDF5 activation dumps: the on-disk :class:`~blockdiff.store.SiteStore`.
+
+Capture streams sites into a :class:`DumpWriter`; localization (or a person with plain
+h5py / h5dump) reads them back with :class:`DumpReader`, one block at a time. The format
+is schema v1, documented in ``docs/dump-format.md``:
+
+- file attributes: ``format`` (``"blockdiff.dump"``), ``schema_version``, versions,
+  creation time, the capture's ``meta``, a ``metadata_digest`` and ``complete`` (last);
+- ``/sites/NNNNNN``: one group per site in execution order, its metadata as attributes,
+  its ``args``/``kwargs``/``output`` as a JSON ``structure`` attribute whose tensors are
+  the group's datasets ``t0``, ``t1``, ...;
+- ``/inputs``: the model inputs of the run, encoded the same way.
+
+Tensors are stored losslessly: dtypes numpy has as themselves, the others (bfloat16,
+float8, ...) as raw bits with the torch dtype named in the ``torch_dtype`` attribute.
+Every tensor dataset is chunked with HDF5's fletcher32 filter and carries a sha256 of its
+bytes, checked on read. A dump is written under a temporary name and renamed only after a
+clean close, so a file at the final path is always complete. Reading never raises
+anything but :class:`~blockdiff.errors.DumpError` for a damaged or foreign file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import h5py
+import numpy as np
+import torch
+
+from .errors import DumpError
+from .site import Opaque, Site, describe_key
+
+__all__ = ["DumpWriter", "DumpReader", "VerifySummary", "FORMAT", "SCHEMA_VERSION"]
+
+FORMAT = "blockdiff.dump"
+SCHEMA_VERSION = 1
+
+# File attributes the writer owns; ``meta`` may not use these names.
+STANDARD_ATTRIBUTES = (
+    "format",
+    "schema_version",
+    "blockdiff_version",
+    "torch_version",
+    "created",
+    "json_attributes",
+    "metadata_digest",
+    "complete",
+)
+# Written after everything else, so they are outside what the metadata digest covers.
+_UNDIGESTED = ("metadata_digest", "complete")
+SITE_ATTRIBUTES = ("stage", "block", "subpath", "module", "call", "ordinal", "order")
+_COMPRESSIONS = (None, "lzf", "gzip")
+
+# torch dtypes numpy holds natively; every other dtype is stored as raw bits.
+_NUMPY_NATIVE = {
+    torch.bool: np.bool_,
+    torch.uint8: np.uint8,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.uint16: np.uint16,
+    torch.uint32: np.uint32,
+    torch.uint64: np.uint64,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+# Raw bits: a signed torch view (what .numpy() supports everywhere) and the unsigned
+# numpy type stored in the file, by element size in bytes.
+_RAW_BITS = {
+    1: (torch.int8, np.uint8, np.int8),
+    2: (torch.int16, np.uint16, np.int16),
+    4: (torch.int32, np.uint32, np.int32),
+    8: (torch.int64, np.uint64, np.int64),
+}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name``; never anything else from the torch namespace."""
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+def _blockdiff_version() -> str:
+    try:
+        from . import __version__  # type: ignore[attr-defined]
+
+        return str(__version__)
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("blockdiff")
+    except (ImportError, PackageNotFoundError):
+        return "unknown"
+
+
+def _bytes_digest(arr: np.ndarray) -> str:
+    """sha256 of an array's bytes in C order, little-endian."""
+    arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    return hashlib.sha256(arr.reshape(-1).view(np.uint8)).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# metadata digest
+
+
+def _canonical(value: Any) -> bytes:
+    if isinstance(value, str):
+        return b"s" + value.encode("utf-8", "surrogatepass")
+    if isinstance(value, bytes):
+        return b"b" + value
+    arr = np.asarray(value)
+    if arr.dtype.kind == "O":  # arrays of variable-length strings (foreign files)
+        return b"o" + repr(arr.tolist()).encode("utf-8", "surrogatepass")
+    return b"n" + arr.dtype.str.encode() + repr(arr.shape).encode() + arr.tobytes()
+
+
+def _metadata_digest(f: h5py.File) -> str:
+    """sha256 over every object name, kind and attribute in the file (except the two
+    written after it), so a flipped byte in a name or attribute is detected."""
+    h = hashlib.sha256()
+
+    def feed(*parts: bytes) -> None:
+        for part in parts:
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+
+    def feed_attrs(obj: h5py.HLObject, skip: tuple = ()) -> None:
+        for name in sorted(obj.attrs.keys()):
+            if name not in skip:
+                feed(b"attr", name.encode("utf-8", "surrogatepass"), _canonical(_raw_attr(obj, name)))
+
+    feed_attrs(f, _UNDIGESTED)
+    paths: list[str] = []
+    f.visit(paths.append)
+    for path in sorted(paths):
+        obj = f[path]
+        if isinstance(obj, h5py.Dataset):
+            feed(b"dataset", path.encode("utf-8", "surrogatepass"))
+            feed(obj.dtype.str.encode(), repr(obj.shape).encode())
+        else:
+            feed(b"group", path.encode("utf-8", "surrogatepass"))
+        feed_attrs(obj)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# file attributes
+
+
+def _encode_attr(key: str, value: Any) -> tuple[Any, bool]:
+    """A meta value as stored: ``(value, is_json)``."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, (torch.dtype, torch.device)):
+        value = _dtype_name(value) if isinstance(value, torch.dtype) else str(value)
+    if isinstance(value, (str, bool, float)):
+        return value, False
+    if isinstance(value, int) and -(2**63) <= value < 2**63:
+        return value, False
+    try:
+        return json.dumps(value, sort_keys=False), True
+    except (TypeError, ValueError) as exc:
+        raise DumpError(
+            f"meta[{key!r}] cannot be stored in a dump: expected str, int, float, bool or "
+            f"JSON-serializable lists/dicts, got {type(value).__name__} ({exc})"
+        ) from exc
+
+
+_ATTR_CLASSES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.STRING, h5py.h5t.ENUM)
+# bool is an HDF5 enum, complex a compound of two floats.
+_DATASET_CLASSES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.ENUM, h5py.h5t.COMPOUND)
+
+
+def _raw_attr(obj: h5py.HLObject, name: str) -> Any:
+    """An attribute as h5py reads it, after checking that its type is one a dump uses.
+
+    A damaged datatype message can crash libhdf5's type conversion (a segfault, not an
+    exception), so the type is inspected through the low-level API before any read.
+    """
+    aid = h5py.h5a.open(obj.id, name.encode("utf-8", "surrogatepass"))
+    tid = aid.get_type()
+    cls = tid.get_class()
+    if cls not in _ATTR_CLASSES or aid.shape != ():
+        raise ValueError(f"attribute {name!r} has an unexpected type (class {cls}, shape {aid.shape})")
+    if cls == h5py.h5t.STRING:
+        # Dumps hold variable-length strings (a pointer); fixed-length ones must be small.
+        size, variable = tid.get_size(), tid.is_variable_str()
+        if (variable and size != 8) or (not variable and size > 1 << 16):
+            raise ValueError(f"attribute {name!r} has a damaged string type")
+    elif cls == h5py.h5t.ENUM:
+        if tid.get_size() != 1 or tid.get_nmembers() != 2:
+            raise ValueError(f"attribute {name!r} has a damaged boolean type")
+    elif tid.get_size() not in (1, 2, 4, 8):
+        raise ValueError(f"attribute {name!r} has a damaged numeric type")
+    return obj.attrs[name]
+
+
+def _attr(obj: h5py.HLObject, name: str) -> Any:
+    """An attribute as a Python value (str, int, float, bool)."""
+    return _decode_attr(_raw_attr(obj, name))
+
+
+def _decode_attr(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# structures
+
+
+class _Encoder:
+    """Writes the tensors of one structure as datasets of ``group``; returns JSON nodes."""
+
+    def __init__(self, group: h5py.Group, compression: dict[str, Any]) -> None:
+        self.group = group
+        self.compression = compression
+        # id(tensor) -> dataset name, so a tensor passed twice is stored once and comes
+        # back as one object; the tensors are kept alive so their ids stay unique.
+        self.refs: dict[int, str] = {}
+        self._alive: list[torch.Tensor] = []
+
+    def node(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return {"type": "tensor", "ref": self.tensor(obj)}
+        if obj is None:
+            return {"type": "none"}
+        if isinstance(obj, bool):
+            return {"type": "bool", "value": obj}
+        if isinstance(obj, int):
+            return {"type": "int", "value": int(obj)}
+        if isinstance(obj, float):
+            # repr round-trips every float exactly, inf and nan included.
+            return {"type": "float", "value": repr(float(obj))}
+        if isinstance(obj, str):
+            return {"type": "str", "value": str(obj)}
+        if isinstance(obj, torch.dtype):
+            return {"type": "dtype", "value": _dtype_name(obj)}
+        if isinstance(obj, torch.device):
+            return {"type": "device", "value": str(obj)}
+        if isinstance(obj, Opaque):
+            return {"type": "opaque", "value": obj.type_name}
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return {
+                "type": "tuple",
+                "items": [self.node(v) for v in obj],
+                "namedtuple": type(obj).__name__,
+                "fields": list(obj._fields),
+            }
+        if isinstance(obj, tuple):
+            return {"type": "tuple", "items": [self.node(v) for v in obj]}
+        if isinstance(obj, list):
+            return {"type": "list", "items": [self.node(v) for v in obj]}
+        if isinstance(obj, dict):
+            return {"type": "dict", "items": [[self.node(k), self.node(v)] for k, v in obj.items()]}
+        # HF ModelOutput and similar containers behave as ordered dicts (as in site.py).
+        if hasattr(obj, "to_tuple") and hasattr(obj, "keys"):
+            return {"type": "dict", "items": [[self.node(k), self.node(obj[k])] for k in obj.keys()]}
+        return {"type": "opaque", "value": type(obj).__name__}
+
+    def tensor(self, t: torch.Tensor) -> str:
+        if id(t) in self.refs:
+            return self.refs[id(t)]
+        original = t
+        if t.layout != torch.strided or t.is_quantized:
+            raise DumpError(f"cannot store a {t.layout} / {t.dtype} tensor: only dense tensors are supported")
+        shape = list(t.shape)
+        t = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+        if t.dtype in _NUMPY_NATIVE:
+            arr = t.numpy()
+        elif t.element_size() in _RAW_BITS:
+            signed, unsigned, _ = _RAW_BITS[t.element_size()]
+            arr = t.view(signed).numpy().view(unsigned)
+        else:
+            raise DumpError(f"cannot store a {t.dtype} tensor: element size {t.element_size()} bytes")
+        if arr.ndim == 0:
+            arr = arr.reshape(1)  # HDF5 cannot chunk (or checksum) a scalar dataset
+        name = f"t{len(self.refs)}"
+        dset = self.group.create_dataset(name, data=arr, chunks=True, fletcher32=True, **self.compression)
+        dset.attrs["torch_dtype"] = _dtype_name(t.dtype)
+        dset.attrs["shape"] = json.dumps(shape)
+        dset.attrs["sha256"] = _bytes_digest(arr)
+        self.refs[id(original)] = name
+        self._alive.append(original)
+        return name
+
+
+class _Decoder:
+    """Rebuilds a structure from JSON nodes, reading tensors from ``group``."""
+
+    def __init__(self, group: h5py.Group, *, verify: bool) -> None:
+        self.group = group
+        self.verify = verify
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.nbytes = 0
+
+    def node(self, node: Any) -> Any:
+        if not isinstance(node, dict) or "type" not in node:
+            raise ValueError(f"malformed structure node {node!r:.80}")
+        kind = node["type"]
+        if kind == "tensor":
+            return self.tensor(str(node["ref"]))
+        if kind == "none":
+            return None
+        if kind == "bool":
+            return _expect(node["value"], bool)
+        if kind == "int":
+            return _expect(node["value"], int)
+        if kind == "float":
+            return float(_expect(node["value"], str))
+        if kind == "str":
+            return _expect(node["value"], str)
+        if kind == "dtype":
+            return _torch_dtype(node["value"])
+        if kind == "device":
+            return torch.device(_expect(node["value"], str))
+        if kind == "opaque":
+            return Opaque(_expect(node["value"], str))
+        if kind == "tuple":
+            return tuple(self.node(v) for v in _expect(node["items"], list))
+        if kind == "list":
+            return [self.node(v) for v in _expect(node["items"], list)]
+        if kind == "dict":
+            return {self.node(k): self.node(v) for k, v in _expect(node["items"], list)}
+        raise ValueError(f"unknown structure node type {kind!r:.40}")
+
+    def tensor(self, ref: str) -> torch.Tensor:
+        if ref in self.tensors:
+            return self.tensors[ref]
+        dset = self.group[ref]
+        if not isinstance(dset, h5py.Dataset):
+            raise ValueError(f"{ref!r} is not a dataset")
+        dtype = _torch_dtype(_attr(dset, "torch_dtype"))
+        shape = [_expect(n, int) for n in _expect(json.loads(_attr(dset, "shape")), list)]
+        if dtype in _NUMPY_NATIVE:
+            stored = np.dtype(_NUMPY_NATIVE[dtype])
+        else:
+            size = torch.empty((), dtype=dtype).element_size()
+            if size not in _RAW_BITS:
+                raise ValueError(f"dataset {ref}: cannot hold {dtype} as raw bits")
+            stored = np.dtype(_RAW_BITS[size][1])
+        # Check type and size before reading: libhdf5 may crash converting a damaged type.
+        cls = dset.id.get_type().get_class()
+        if cls not in _DATASET_CLASSES or dset.dtype != stored:
+            raise ValueError(f"dataset {ref} holds {dset.dtype}, expected {stored} for {dtype}")
+        if dset.shape != tuple(shape) and not (shape == [] and dset.shape == (1,)):
+            raise ValueError(f"dataset {ref} has shape {list(dset.shape)}, its shape attribute says {shape}")
+        arr = dset[()]
+        if self.verify:
+            if _bytes_digest(arr) != _attr(dset, "sha256"):
+                raise _DigestMismatch(ref)
+        arr = np.ascontiguousarray(arr).reshape(shape)
+        if dtype in _NUMPY_NATIVE:
+            t = torch.from_numpy(arr)
+        else:
+            t = torch.from_numpy(arr.view(_RAW_BITS[size][2])).view(dtype)
+        self.nbytes += arr.nbytes
+        self.tensors[ref] = t
+        return t
+
+
+class _DigestMismatch(Exception):
+    def __init__(self, ref: str) -> None:
+        super().__init__(ref)
+        self.ref = ref
+
+
+def _expect(value: Any, kind: type) -> Any:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"expected {kind.__name__} in structure, found {type(value).__name__}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# writer
+
+
+class DumpWriter:
+    """Streams sites into an HDF5 dump; a :class:`~blockdiff.store.SiteStore` for capture.
+
+    The file is written under a temporary name (``.NAME.tmp-PID``) in the target
+    directory. A clean :meth:`close` (or leaving the ``with`` block without an exception)
+    writes the ``metadata_digest`` and then ``complete`` last, and renames the file to
+    ``path`` atomically. An exception inside the ``with`` block, or :meth:`abort`, removes
+    the temporary file and leaves nothing at ``path``. Each site is written as it arrives.
+
+    Args:
+        path: where the finished dump goes (replaced if it exists).
+        meta: what the capture was (model spec, hook map, device, dtype, input digest, ...):
+            str/int/float/bool values stored as attributes, lists/dicts/None as JSON.
+        compress: ``None``, ``"lzf"`` or ``"gzip"`` for every tensor dataset.
+
+    >>> with DumpWriter("ref.h5", meta={"model": "m.py:build", "dtype": "float32"}) as w:
+    ...     w.add_inputs(token_ids)                                  # doctest: +SKIP
+    ...     w.add(site)                                              # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike, *, meta: dict[str, Any], compress: str | None = None) -> None:
+        self.path = Path(path)
+        if compress not in _COMPRESSIONS:
+            raise DumpError(
+                f"{self.path}: compress must be None, 'lzf' or 'gzip', got {compress!r}", path=str(self.path)
+            )
+        self.meta: dict[str, Any] = dict(meta)
+        self._check_meta()
+        self.compress = compress
+        self._compression: dict[str, Any] = {}
+        if compress == "gzip":
+            self._compression = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
+        elif compress == "lzf":
+            self._compression = {"compression": "lzf", "shuffle": True}
+        self.tmp_path = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self._count = 0
+        self._has_inputs = False
+        self._meta_keys: list[str] = []
+        try:
+            self._file: h5py.File | None = h5py.File(self.tmp_path, "w")
+        except Exception as exc:
+            raise DumpError(f"{self.path}: cannot create the dump: {exc}", path=str(self.path)) from exc
+        try:
+            attrs = self._file.attrs
+            attrs["format"] = FORMAT
+            attrs["schema_version"] = SCHEMA_VERSION
+            attrs["blockdiff_version"] = _blockdiff_version()
+            attrs["torch_version"] = str(torch.__version__)
+            attrs["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            self._write_meta()
+            self._sites = self._file.create_group("sites")
+        except BaseException:
+            self.abort()
+            raise
+
+    # -- SiteStore (write side)
+
+    def add(self, site: Site) -> None:
+        """Write one site as group ``/sites/NNNNNN`` (NNNNNN: execution order)."""
+        f = self._open_file()
+        order = self._count
+        name = f"{order:06d}"
+        group = self._sites.create_group(name)
+        try:
+            group.attrs["stage"] = str(site.stage)
+            group.attrs["block"] = -1 if site.block is None else int(site.block)
+            group.attrs["subpath"] = "" if site.subpath is None else str(site.subpath)
+            group.attrs["module"] = str(site.module)
+            group.attrs["call"] = int(site.call)
+            group.attrs["ordinal"] = int(site.ordinal)
+            group.attrs["order"] = order
+            enc = _Encoder(group, self._compression)
+            structure = {
+                "args": enc.node(tuple(site.args)),
+                "kwargs": enc.node(dict(site.kwargs)),
+                "output": enc.node(site.output),
+            }
+            group.attrs["structure"] = json.dumps(structure)
+        except Exception as exc:
+            # Leave no half-written site behind if the caller carries on.
+            del f["sites"][name]
+            if isinstance(exc, DumpError):
+                raise DumpError(f"{self.path}: site {site.label}: {exc}", path=str(self.path), site=site.label) from exc
+            raise DumpError(
+                f"{self.path}: cannot write site {site.label}: {type(exc).__name__}: {exc}",
+                path=str(self.path),
+                site=site.label,
+            ) from exc
+        self._count += 1
+
+    def add_inputs(self, obj: Any) -> None:
+        """Record the run's model inputs (a tensor, a tuple or a dict) as group ``/inputs``."""
+        f = self._open_file()
+        if self._has_inputs:
+            raise DumpError(f"{self.path}: inputs were already recorded", path=str(self.path))
+        group = f.create_group("inputs")
+        try:
+            group.attrs["structure"] = json.dumps(_Encoder(group, self._compression).node(obj))
+        except Exception as exc:
+            del f["inputs"]
+            raise DumpError(
+                f"{self.path}: cannot write the inputs: {type(exc).__name__}: {exc}", path=str(self.path)
+            ) from exc
+        self._has_inputs = True
+
+    # -- lifecycle
+
+    def close(self) -> None:
+        """Finish the dump: metadata digest, ``complete`` last, atomic rename to ``path``."""
+        if self._file is None:
+            return
+        f = self._file
+        try:
+            self._check_meta()
+            self._write_meta()
+            f.flush()
+            f.attrs["metadata_digest"] = _metadata_digest(f)
+            f.attrs["complete"] = True
+            f.close()
+            self._file = None
+            _fsync(self.tmp_path)
+            os.replace(self.tmp_path, self.path)
+            _fsync(self.path.parent)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, Exception) and not isinstance(exc, DumpError):
+                raise DumpError(f"{self.path}: cannot finish the dump: {exc}", path=str(self.path)) from exc
+            raise
+
+    def abort(self) -> None:
+        """Discard the dump: close and remove the temporary file; nothing at ``path``."""
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except Exception:
+                pass  # the file is being thrown away; its removal below is what matters
+        try:
+            os.remove(self.tmp_path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "DumpWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+    def __len__(self) -> int:
+        """Number of sites written so far."""
+        return self._count
+
+    def __repr__(self) -> str:
+        state = "open" if self._file is not None else "closed"
+        return f"DumpWriter({str(self.path)!r}, sites={self._count}, {state})"
+
+    # -- helpers
+
+    def _open_file(self) -> h5py.File:
+        if self._file is None:
+            raise DumpError(f"{self.path}: the dump writer is closed", path=str(self.path))
+        return self._file
+
+    def _check_meta(self) -> None:
+        for key in self.meta:
+            if not isinstance(key, str) or not key:
+                raise DumpError(f"{self.path}: meta keys must be non-empty strings, got {key!r}", path=str(self.path))
+            if key in STANDARD_ATTRIBUTES:
+                raise DumpError(
+                    f"{self.path}: meta key {key!r} is reserved for the dump format "
+                    f"(reserved: {', '.join(STANDARD_ATTRIBUTES)})",
+                    path=str(self.path),
+                )
+            _encode_attr(key, self.meta[key])
+
+    def _write_meta(self) -> None:
+        attrs = self._open_file().attrs
+        for key in self._meta_keys:
+            if key in attrs:
+                del attrs[key]
+        json_keys = []
+        for key, value in self.meta.items():
+            stored, is_json = _encode_attr(key, value)
+            attrs[key] = stored
+            if is_json:
+                json_keys.append(key)
+        attrs["json_attributes"] = json.dumps(json_keys)
+        self._meta_keys = list(self.meta)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or directory to disk, where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------
+# reader
+
+
+@dataclass(frozen=True)
+class VerifySummary:
+    """What :meth:`DumpReader.verify_all` checked."""
+
+    sites: int
+    tensors: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    order: int
+    stage: str
+    block: int | None
+    subpath: str | None
+    module: str
+    call: int
+    ordinal: int
+
+    @property
+    def label(self) -> str:
+        return f"/sites/{self.name} ({describe_key((self.stage, self.block, self.subpath, self.ordinal))}, {self.module})"
+
+
+class DumpReader:
+    """Reads an HDF5 dump: the read side of :class:`~blockdiff.store.SiteStore`.
+
+    Opening validates the file (exists, HDF5, a blockdiff dump, a schema this version
+    reads, complete, metadata digest intact) and indexes the sites from their attributes;
+    tensors are read only when a site is asked for, so :meth:`block_sites` holds one
+    block at a time. Every failure is a :class:`~blockdiff.errors.DumpError` naming the
+    file, and the site when there is one.
+
+    Args:
+        path: the dump.
+        verify: check every tensor's sha256 as it is read.
+
+    >>> with DumpReader("ref.h5") as dump:                           # doctest: +SKIP
+    ...     for i in dump.block_indices():
+    ...         sites = dump.block_sites(i)
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True) -> None:
+        self.path = Path(path)
+        self.verify = verify
+        self._file: h5py.File | None = None
+        self.meta: dict[str, Any] = {}
+        self._entries: list[_Entry] = []
+        where = str(self.path)
+        if not self.path.exists():
+            raise DumpError(f"{where}: no such file", path=where)
+        with self._guard("cannot be opened"):
+            is_hdf5 = self.path.is_file() and h5py.is_hdf5(self.path)
+        if not is_hdf5:
+            raise DumpError(f"{where} is not an HDF5 file", path=where)
+        with self._guard("is damaged or truncated and cannot be opened as HDF5"):
+            self._file = h5py.File(self.path, "r")
+        try:
+            with self._guard("is damaged"):
+                self._validate()
+        except BaseException:
+            self.close()
+            raise
+
+    def _validate(self) -> None:
+        f = self._file
+        where = str(self.path)
+        attrs = f.attrs
+        try:
+            fmt = _attr(f, "format") if "format" in attrs else None
+        except Exception:
+            fmt = None  # a foreign file's "format" may be anything
+        if fmt != FORMAT:
+            raise DumpError(f"{where} is an HDF5 file but not a blockdiff dump", path=where)
+        version = _attr(f, "schema_version") if "schema_version" in attrs else None
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise DumpError(f"{where} has an invalid schema version {version!r}: the file is damaged", path=where)
+        if version > SCHEMA_VERSION:
+            raise DumpError(
+                f"{where} has schema version {version}; this blockdiff reads up to {SCHEMA_VERSION}: "
+                "upgrade blockdiff",
+                path=where,
+            )
+        if "complete" not in attrs or _attr(f, "complete") is not True:
+            raise DumpError(f"{where} is incomplete (the capture did not finish)", path=where)
+        stored = _attr(f, "metadata_digest") if "metadata_digest" in attrs else None
+        if stored != _metadata_digest(f):
+            raise DumpError(f"{where} metadata digest mismatch: the file is damaged", path=where)
+
+        meta = {k: _attr(f, k) for k in attrs.keys() if k != "json_attributes"}
+        for key in json.loads(_attr(f, "json_attributes")):
+            meta[key] = json.loads(meta[key])
+        self.meta = meta
+
+        entries = []
+        for name, group in f["sites"].items():
+            a = group.attrs
+            block = int(_attr(group, "block"))
+            subpath = str(_attr(group, "subpath"))
+            entries.append(
+                _Entry(
+                    name=name,
+                    order=int(_attr(group, "order")),
+                    stage=str(_attr(group, "stage")),
+                    block=None if block < 0 else block,
+                    subpath=subpath or None,
+                    module=str(_attr(group, "module")),
+                    call=int(_attr(group, "call")),
+                    ordinal=int(_attr(group, "ordinal")),
+                )
+            )
+        entries.sort(key=lambda e: e.order)
+        self._entries = entries
+
+    # -- SiteStore (read side)
+
+    def block_indices(self) -> list[int]:
+        """Indices of the blocks that have sites, ascending."""
+        return sorted({e.block for e in self._entries if e.block is not None})
+
+    def block_sites(self, block: int) -> list[Site]:
+        """The sites of one block in execution order; reads only that block's groups."""
+        return [self._read(e) for e in self._entries if e.block == block]
+
+    def outside_sites(self) -> list[Site]:
+        """Sites outside the blocks (embed, context, final_norm, head) in execution order."""
+        return [self._read(e) for e in self._entries if e.block is None]
+
+    def sites(self) -> list[Site]:
+        """Every site in execution order (all tensors in memory: prefer :meth:`iter_sites`)."""
+        return list(self.iter_sites())
+
+    def iter_sites(self) -> Iterator[Site]:
+        """Every site in execution order, read one at a time."""
+        for e in self._entries:
+            yield self._read(e)
+
+    def inputs(self) -> Any:
+        """The recorded model inputs, or ``None`` if the dump has none."""
+        f = self._open_file()
+        with self._guard("cannot be read", site="/inputs"):
+            if "inputs" not in f:
+                return None
+            group = f["inputs"]
+            return self._decode(group, json.loads(_attr(group, "structure")), "/inputs", whole=True)[0]
+
+    def verify_all(self) -> VerifySummary:
+        """Read every tensor of every site and the inputs, checking each digest.
+
+        Returns:
+            how many sites, tensors and bytes were checked.
+
+        Raises:
+            DumpError: naming the file and the first damaged site.
+        """
+        f = self._open_file()
+        tensors = nbytes = 0
+        for e in self._entries:
+            with self._guard("cannot be read", site=e.label):
+                group = f["sites"][e.name]
+                structure = json.loads(_attr(group, "structure"))
+                _, dec = self._decode(group, structure, e.label, verify=True)
+                extra = set(group.keys()) - set(dec.tensors)
+                if extra:
+                    raise ValueError(f"datasets {sorted(extra)} are not referenced by the structure")
+            tensors += len(dec.tensors)
+            nbytes += dec.nbytes
+        with self._guard("cannot be read", site="/inputs"):
+            if "inputs" in f:
+                group = f["inputs"]
+                structure = json.loads(_attr(group, "structure"))
+                _, dec = self._decode(group, structure, "/inputs", whole=True, verify=True)
+                tensors += len(dec.tensors)
+                nbytes += dec.nbytes
+        return VerifySummary(sites=len(self._entries), tensors=tensors, bytes=nbytes)
+
+    # -- lifecycle
+
+    def close(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except Exception:
+                pass  # nothing was written; a failing close of a damaged file changes nothing
+
+    def __enter__(self) -> "DumpReader":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close()
+        return False
+
+    def __len__(self) -> int:
+        """Number of sites."""
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"DumpReader({str(self.path)!r}, sites={len(self._entries)})"
+
+    # -- helpers
+
+    def _open_file(self) -> h5py.File:
+        if self._file is None:
+            raise DumpError(f"{self.path}: the dump reader is closed", path=str(self.path))
+        return self._file
+
+    def _read(self, e: _Entry) -> Site:
+        f = self._open_file()
+        with self._guard("cannot be read", site=e.label):
+            group = f["sites"][e.name]
+            structure = json.loads(_attr(group, "structure"))
+            decoded, _ = self._decode(group, structure, e.label)
+            args, kwargs, output = decoded["args"], decoded["kwargs"], decoded["output"]
+            if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+                raise TypeError("site args must be a tuple and kwargs a dict")
+            return Site(
+                stage=e.stage,
+                block=e.block,
+                subpath=e.subpath,
+                module=e.module,
+                call=e.call,
+                ordinal=e.ordinal,
+                args=args,
+                kwargs=kwargs,
+                output=output,
+            )
+
+    def _decode(
+        self, group: h5py.Group, structure: Any, label: str, *, whole: bool = False, verify: bool | None = None
+    ) -> tuple[Any, _Decoder]:
+        """Decode a structure (``whole``) or a site's ``{"args", "kwargs", "output"}``."""
+        dec = _Decoder(group, verify=self.verify if verify is None else verify)
+        try:
+            if whole:
+                return dec.node(structure), dec
+            if not isinstance(structure, dict) or set(structure) != {"args", "kwargs", "output"}:
+                raise ValueError("a site structure must have exactly 'args', 'kwargs' and 'output'")
+            return {k: dec.node(v) for k, v in structure.items()}, dec
+        except _DigestMismatch as exc:
+            raise DumpError(
+                f"{self.path}: site {label}: tensor {exc.ref} digest mismatch: the file is damaged",
+                path=str(self.path),
+                site=label,
+            ) from None
+
+    @contextmanager
+    def _guard(self, what: str, *, site: str | None = None) -> Iterator[None]:
+        """Turn anything h5py, numpy or json raise on a damaged file into a DumpError."""
+        try:
+            yield
+        except DumpError:
+            raise
+        except Exception as exc:
+            where = f"{self.path}: site {site}" if site else str(self.path)
+            raise DumpError(f"{where} {what}: {type(exc).__name__}: {exc}", path=str(self.path), site=site) from exc

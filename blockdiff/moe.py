@@ -1,0 +1,164 @@
+"""MoE: a router's recorded output read as routing decisions, and the routing-aware checks.
+
+Routers differ in what they return; the hook map names the format:
+
+- ``topk`` (Hugging Face Mixtral/Qwen-MoE routers, blockdiff's sample):
+  ``(logits [.., E], weights [T, k], indices [T, k])``;
+- ``switch`` (SwitchTransformers): ``(dispatch one-hot [.., E] after capacity,
+  probs [.., 1], logits [.., E])``; top-1, the kept assignments are the dispatch's.
+
+Routing-aware localization judges a router on three things, none of which a routing flip
+caused by precision can trip (DESIGN.md, "MoE"): its logits; its weights on the tokens
+whose top-k sets agree with the reference; and its flips, each explained only when the
+reference's margin ``z_(k) − z_(k+1)`` is within the logit noise that precision causes.
+The experts are judged with routing frozen at the reference's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .compare import metrics
+from .errors import PairingError
+from .moe_stats import Routing
+from .report import Check
+from .site import iter_tensors
+from .tolerance import Threshold, Tolerance
+
+FORMATS = ("topk", "switch")
+
+
+@dataclass
+class Decision:
+    """One router call read as routing: the statistics' :class:`Routing` plus weights."""
+
+    routing: Routing
+    weights: torch.Tensor  # [T, k]
+
+    @property
+    def dense(self) -> torch.Tensor:
+        """Weights scattered into [T, E] (zero for experts not chosen), float64."""
+        r = self.routing
+        dense = torch.zeros(r.logits.shape, dtype=torch.float64)
+        return dense.scatter(1, r.indices.long(), self.weights.to(torch.float64))
+
+
+def decision(output: Any, fmt: str, *, capacity: int | None = None, what: str = "router") -> Decision:
+    """Read a router's recorded output.
+
+    Raises:
+        PairingError: the output does not have the tensors the format names.
+    """
+    tensors = [t.detach().cpu() for t in iter_tensors(output)]
+    if len(tensors) < 3:
+        raise PairingError(f"{what}: a {fmt!r} router returns 3 tensors, found {len(tensors)}")
+    if fmt == "topk":
+        logits, weights, indices = tensors[:3]
+        experts = logits.shape[-1]
+        logits = logits.reshape(-1, experts)
+        k = indices.shape[-1]
+        return Decision(Routing(logits, indices.reshape(-1, k), capacity=capacity), weights.reshape(-1, k))
+    if fmt == "switch":
+        dispatch, probs, logits = tensors[:3]
+        experts = logits.shape[-1]
+        logits = logits.reshape(-1, experts)
+        indices = logits.argmax(-1, keepdim=True)
+        kept = dispatch.reshape(-1, experts).sum(-1, keepdim=True) > 0
+        return Decision(Routing(logits, indices, capacity=capacity, kept=kept), probs.reshape(-1, 1))
+    raise PairingError(f"{what}: unknown router format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+def _topk_sets_agree(a: Routing, b: Routing) -> torch.Tensor:
+    return (a.indices.sort(-1).values == b.indices.sort(-1).values).all(-1)
+
+
+def margins(routing: Routing) -> torch.Tensor:
+    """Per token, the reference's routing margin z_(k) − z_(k+1) (inf when k = E)."""
+    k = routing.indices.shape[-1]
+    z = routing.logits.to(torch.float64).sort(-1, descending=True).values
+    if k >= z.shape[-1]:
+        return torch.full((z.shape[0],), float("inf"), dtype=torch.float64)
+    return z[:, k - 1] - z[:, k]
+
+
+def router_checks(
+    reference: Decision,
+    candidate: Decision,
+    floor: Decision | None,
+    *,
+    module: str,
+    tolerance: Tolerance,
+    dtype: torch.dtype,
+) -> list[Check]:
+    """The router's three checks: logits, weights where top-k agree, flips by margin.
+
+    Args:
+        reference, candidate: the reference's router output and the candidate router's on
+            the reference's input.
+        floor: the reference's router in the candidate's precision (calibrated policy), or
+            ``None`` (fixed policy).
+    """
+    r, c = reference.routing, candidate.routing
+    if r.logits.shape != c.logits.shape or r.indices.shape != c.indices.shape:
+        raise PairingError(
+            f"{module}: candidate router gives logits {list(c.logits.shape)} and indices "
+            f"{list(c.indices.shape)}, reference {list(r.logits.shape)} and {list(r.indices.shape)}"
+        )
+
+    def threshold(value: float | None) -> Threshold:
+        return tolerance.threshold("ffn", dtype, value)
+
+    checks = []
+    logit_floor = metrics(r.logits, floor.routing.logits, dtype=dtype).rel_l2 if floor else None
+    checks.append(Check("router logits", module, metrics(r.logits, c.logits, dtype=dtype), threshold(logit_floor)))
+
+    agree = _topk_sets_agree(r, c)
+    weight_floor = None
+    if floor is not None:
+        both = agree & _topk_sets_agree(r, floor.routing)
+        weight_floor = metrics(reference.dense[both], floor.dense[both], dtype=dtype).rel_l2
+    checks.append(
+        Check(
+            "router weights (tokens whose top-k agree)",
+            module,
+            metrics(reference.dense[agree], candidate.dense[agree], dtype=dtype),
+            threshold(weight_floor),
+        )
+    )
+
+    # A flip is precision when the reference's margin is within the logit noise that the
+    # candidate's precision causes: the floor's largest logit error (calibrated), or the
+    # fixed relative threshold times the logits' RMS.
+    ref_logits = r.logits.to(torch.float64)
+    if floor is not None:
+        noise = float((floor.routing.logits.to(torch.float64) - ref_logits).abs().max())
+        mult = tolerance.multiplier_for(dtype)
+    else:
+        noise = threshold(None).value * float(ref_logits.pow(2).mean().sqrt())
+        mult = 1.0
+    allowed = mult * noise + 1e-12
+    flipped = ~agree
+    margin = margins(r)[flipped]
+    value = float((margin / allowed).max()) if margin.numel() else 0.0
+    checks.append(
+        Check(
+            "routing flips",
+            module,
+            None,
+            Threshold(1.0, "calibrated" if floor is not None else "fixed", None),
+            value=value,
+            metric="flip_margin_ratio",
+            details={
+                "tokens": int(agree.numel()),
+                "flipped": int(flipped.sum()),
+                "unexplained": int((margin > allowed).sum()),
+                "margin_tolerance": allowed,
+                "flipped_tokens": [int(t) for t in flipped.nonzero().flatten()],
+                "flip_margins": [float(m) for m in margin],
+            },
+        )
+    )
+    return checks
