@@ -362,15 +362,17 @@ def _has_parameters(module: nn.Module) -> bool:
 
 def _block_lists(model: nn.Module) -> list[str]:
     """Paths of the model's block lists: the longest ModuleList/Sequential whose children
-    (two or more) share one class, plus any other such list of the same class (the second
-    stack of an encoder-decoder). Lists inside another list's elements (MoE experts) and
-    lists of parameterless modules are not candidates."""
+    (two or more) share one class (subclasses count as their base), plus any other such
+    list of the same class (the second stack of an encoder-decoder). Lists inside another
+    list's elements (MoE experts) and lists of parameterless modules are not candidates."""
     found: list[tuple[str, type, int]] = []
     for path, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             children = list(module.children())
-            if len(children) >= 2 and len({type(c) for c in children}) == 1 and _has_parameters(module):
-                found.append((path, type(children[0]), len(children)))
+            # One class; a subclass counts as its base (a block patched with a bug).
+            bases = [c for c in {type(m) for m in children} if all(isinstance(m, c) for m in children)]
+            if len(children) >= 2 and bases and _has_parameters(module):
+                found.append((path, bases[0], len(children)))
 
     def nested(path: str) -> bool:
         return any(other != path and (other == "" or path.startswith(other + ".")) for other, _, _ in found)
@@ -382,22 +384,48 @@ def _block_lists(model: nn.Module) -> list[str]:
     return [path for path, other, _ in top if other is cls]
 
 
-def _classify_block(block: nn.Module) -> dict[str, list[str]]:
-    """Relative paths of the block's attention, FFN and norm modules: a module whose role
-    is recognised is taken whole (its children belong to it); others are searched inside."""
-    found: dict[str, list[str]] = {}
+def _classify_block(block: nn.Module, opened: set[str]) -> dict[str, str]:
+    """Relative path → role of the block's attention, FFN and norm modules: a module whose
+    role is recognised is taken whole (its children belong to it); others, and those in
+    ``opened``, are searched inside."""
+    found: dict[str, str] = {}
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             rel = f"{prefix}{name}"
-            role = _role(rel, child)
+            role = None if rel in opened else _role(rel, child)
             if role is not None:
-                found.setdefault(role, []).append(rel)
+                found[rel] = role
             else:
                 visit(rel + ".", child)
 
     visit("", block)
     return found
+
+
+def _classify_blocks(blocks: list[nn.Module]) -> list[dict[str, str]]:
+    """Classify every block so that a path means the same in all blocks that have it.
+
+    Blocks of two stacks differ (T5: ``layer.1`` is the FFN sub-layer of an encoder block
+    and the cross-attention sub-layer of a decoder block). Where a path is taken whole with
+    one role in one block but not in another block that has it, the path, or the ancestor
+    taken in the other block, is searched inside everywhere instead, until all agree."""
+    names = [{rel for rel, _ in b.named_modules() if rel} for b in blocks]
+    opened: set[str] = set()
+    while True:
+        found = [_classify_block(b, opened) for b in blocks]
+        conflicts: set[str] = set()
+        for here in found:
+            for rel, role in here.items():
+                for other, other_names in zip(found, names):
+                    if rel not in other_names or other.get(rel) == role:
+                        continue
+                    parts = rel.split(".")
+                    ancestors = [".".join(parts[:i]) for i in range(1, len(parts))]
+                    conflicts.add(next((a for a in ancestors if a in other), rel))
+        if not conflicts:
+            return found
+        opened |= conflicts
 
 
 def detect(model: nn.Module) -> HookMap:
@@ -428,17 +456,14 @@ def detect(model: nn.Module) -> HookMap:
             source=AUTO_DETECTED,
         )
     modules = dict(model.named_modules())
+    blocks = [block for path in lists for block in modules[path].children()]
     subpaths: dict[str, list[str]] = {}
     seen: dict[str, int] = {}
-    n_blocks = 0
-    for list_path in lists:
-        for _, block in modules[list_path].named_children():
-            n_blocks += 1
-            for role, rels in _classify_block(block).items():
-                for rel in rels:
-                    if rel not in seen:
-                        subpaths.setdefault(role, []).append(rel)
-                    seen[rel] = seen.get(rel, 0) + 1
+    for found in _classify_blocks(blocks):
+        for rel, role in found.items():
+            if rel not in seen:
+                subpaths.setdefault(role, []).append(rel)
+            seen[rel] = seen.get(rel, 0) + 1
     if "attention" not in subpaths and "ffn" not in subpaths:
         block_cls = type(next(modules[lists[0]].children())).__name__
         raise HookMapError(
@@ -447,7 +472,7 @@ def detect(model: nn.Module) -> HookMap:
             source=AUTO_DETECTED,
         )
     # A module some blocks lack (cross-attention in an encoder block) is optional.
-    optional = tuple(rel for rel, count in seen.items() if count < n_blocks)
+    optional = tuple(rel for rel, count in seen.items() if count < len(blocks))
 
     def inside_blocks(path: str) -> bool:
         return any(path.startswith(p + ".") if p else True for p in lists)
@@ -458,11 +483,12 @@ def detect(model: nn.Module) -> HookMap:
     embeds = [p for p, m in modules.items() if isinstance(m, nn.Embedding) and p and not inside_blocks(p)]
     if embeds:
         outside["embed"] = embeds
-    context = [
-        p
-        for p, m in modules.items()
-        if p and not inside_blocks(p) and any(w in p.rsplit(".", 1)[-1].lower() or w in type(m).__name__.lower() for w in _CONTEXT_WORDS)
-    ]
+
+    def contextual(path: str, module: nn.Module) -> bool:
+        words = (path.rsplit(".", 1)[-1].lower(), type(module).__name__.lower())
+        return any(w in text for w in _CONTEXT_WORDS for text in words)
+
+    context = [p for p, m in modules.items() if p and not inside_blocks(p) and contextual(p, m)]
     if context:
         outside["context"] = context
     norms = [
@@ -493,3 +519,33 @@ def detect(model: nn.Module) -> HookMap:
         subpaths={k: tuple(v) for k, v in subpaths.items()},
         description=f"guessed from the module tree of {cls_name}",
     )
+
+
+def layout_from_dict(data: dict[str, Any]) -> Layout:
+    """Rebuild a :class:`Layout` from :meth:`Layout.to_dict` (as stored in a dump's meta),
+    for a side that has no live model."""
+    try:
+        hook_map = HookMap(
+            name=str(data["hook_map"]),
+            source=str(data.get("source", "dump")),
+            match=(),
+            outside={},
+            optional=(),
+            blocks=(),
+            subpaths={},
+        )
+        blocks = [
+            BlockLayout(
+                index=int(b["index"]),
+                path=str(b["module"]),
+                stack=str(b.get("stack", "")),
+                subpaths={k: [str(p) for p in v] for k, v in b["subpaths"].items()},
+                unmapped=[str(p) for p in b.get("unmapped", [])],
+                moe=None if b.get("moe") is None else {k: str(v) for k, v in b["moe"].items()},
+            )
+            for b in data["blocks"]
+        ]
+        outside = [(str(o["stage"]), str(o["module"])) for o in data["outside"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise HookMapError(f"stored layout is malformed ({type(exc).__name__}: {exc})") from None
+    return Layout(hook_map=hook_map, outside=outside, blocks=blocks)

@@ -57,14 +57,17 @@ class Side:
     model: nn.Module | None
     layout: Layout | None
     store: SiteStore
+    # Without a live model (a dump), the dtype and device it was captured with.
+    captured_dtype: torch.dtype = torch.float32
+    captured_device: torch.device = torch.device("cpu")
 
     @property
     def device(self) -> torch.device:
-        return model_device(self.model) if self.model is not None else torch.device("cpu")
+        return model_device(self.model) if self.model is not None else self.captured_device
 
     @property
     def dtype(self) -> torch.dtype:
-        return model_dtype(self.model) if self.model is not None else torch.float32
+        return model_dtype(self.model) if self.model is not None else self.captured_dtype
 
     def module(self, path: str) -> nn.Module:
         assert self.model is not None
@@ -77,10 +80,32 @@ def _cast_like(tensor: torch.Tensor, like: torch.Tensor | None, device: torch.de
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``; cast to ``dtype`` when both are floating point."""
+    """A copy of ``tensor`` on ``device``, cast to ``dtype`` when both are floating point.
+
+    Always a copy: models change tensors they are handed in place (HF Falcon adds the
+    attention output into the MLP output), which must never reach a recorded site.
+    """
     if dtype is not None and tensor.is_floating_point() and dtype.is_floating_point:
-        return tensor.to(device=device, dtype=dtype)
-    return tensor.to(device=device)
+        return tensor.to(device=device, dtype=dtype, copy=True)
+    return tensor.to(device=device, copy=True)
+
+
+def _aligned(label: str, what: str, ref: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """``cand`` in ``ref``'s shape when they differ only by leading size-1 dimensions
+    (a rotary table of [seq, d] against [1, seq, d]); else a :class:`ShapeMismatchError`."""
+    if tuple(ref.shape) == tuple(cand.shape):
+        return cand
+    if _squeeze_leading(ref.shape) == _squeeze_leading(cand.shape):
+        return cand.reshape(ref.shape)
+    _check_shapes(label, what, ref, cand)
+    return cand
+
+
+def _squeeze_leading(shape: torch.Size) -> tuple[int, ...]:
+    dims = list(shape)
+    while dims and dims[0] == 1:
+        dims.pop(0)
+    return tuple(dims)
 
 
 def _check_shapes(label: str, what: str, ref: torch.Tensor, cand: torch.Tensor) -> None:
@@ -160,7 +185,7 @@ class Localizer:
         if ref_out is None:
             raise PairingError(f"{r.label}: the reference recorded no output tensor")
         out = self._module_output(self.cand.module(c.module), c, r.hidden_inputs(), cast=None)
-        _check_shapes(describe_key(c.key), "output", ref_out, out)
+        out = _aligned(describe_key(c.key), "output", ref_out, out)
         floor = None
         if self.calibrate:
             ref_copy = self._floor_module(self.ref.module(r.module))
@@ -281,7 +306,7 @@ class Localizer:
                     floors[i] = metrics(expected, got, dtype=self.dtype).rel_l2
         checks = []
         for (what, module, expected, got, _), floor in zip(compared, floors):
-            _check_shapes(label, what, expected, got)
+            got = _aligned(label, what, expected, got)
             checks.append(
                 Check(what, module, metrics(expected, got, dtype=self.dtype), self.tolerance.threshold(target, self.dtype, floor))
             )
@@ -492,8 +517,7 @@ def _drift(r: Site, c: Site, dtype: torch.dtype) -> Metrics | None:
     ref_out, cand_out = r.primary_output(), c.primary_output()
     if ref_out is None or cand_out is None:
         return None
-    _check_shapes(describe_key(c.key), "output", ref_out, cand_out)
-    return metrics(ref_out, cand_out, dtype=dtype)
+    return metrics(ref_out, _aligned(describe_key(c.key), "output", ref_out, cand_out), dtype=dtype)
 
 
 def iter_paired(reference: SiteStore, candidate: SiteStore) -> Iterator[tuple[Site, Site]]:
@@ -513,6 +537,49 @@ def iter_paired(reference: SiteStore, candidate: SiteStore) -> Iterator[tuple[Si
     for r in outside:
         if r.stage not in ("embed", "context"):
             yield r, c_out[r.key]
+
+
+def offline_drift(
+    reference: SiteStore, candidate: SiteStore, tolerance: Tolerance, dtype: torch.dtype
+) -> tuple[list[StageResult], list[BlockResult]]:
+    """Two stored captures and no live model: every site judged on its drift alone.
+
+    Each sub-path's checks are ``drift`` checks (free-running candidate output against the
+    reference's), so the first divergence is where the error first *shows*, which may be
+    downstream of where it starts; replay against a live candidate tells them apart.
+    """
+
+    def check(target: str, r: Site, c: Site) -> Check | None:
+        drift = _drift(r, c, dtype)
+        if drift is None:
+            return None
+        return Check("drift (offline)", c.module, drift, tolerance.threshold(target, dtype, None))
+
+    ref_out = {s.key: s for s in reference.outside_sites()}
+    cand_out = {s.key: s for s in candidate.outside_sites()}
+    _check_paired(ref_out, cand_out)
+    stages = []
+    for key, r in sorted(ref_out.items(), key=lambda kv: kv[1].order):
+        c = cand_out[key]
+        stages.append(StageResult(r.stage, c.module, check(r.stage, r, c), _drift(r, c, dtype), order=r.order))
+    blocks = []
+    for index in reference.block_indices():
+        r_all = {s.key: s for s in reference.block_sites(index)}
+        c_all = {s.key: s for s in candidate.block_sites(index)}
+        _check_paired(r_all, c_all)
+        r_block, c_block = r_all.pop(("block", index, None, 0)), c_all.pop(("block", index, None, 0))
+        subpaths: dict[str, SubpathResult] = {}
+        for key, r in sorted(r_all.items(), key=lambda kv: kv[1].order):
+            name = "ffn" if r.subpath == "router" else r.subpath
+            result = subpaths.setdefault(name, SubpathResult("drift_only", order=r.order))
+            found = check(name, r, c_all[key])
+            if found is not None:
+                result.checks.append(found)
+        block_check = check("block", r_block, c_block)
+        blocks.append(
+            BlockResult(index, c_block.module, "", subpaths, block_check, _drift(r_block, c_block, dtype), order=r_block.order)
+        )
+    return stages, blocks
 
 
 def first_nonfinite(reference: SiteStore, candidate: SiteStore) -> dict[str, Any] | None:

@@ -148,9 +148,11 @@ def for_replay(obj: Any, *, device: torch.device | str, dtype: torch.dtype | Non
     """
 
     def move(t: torch.Tensor) -> torch.Tensor:
+        # Always a copy: a module may change its arguments in place, and these come
+        # from a recorded site.
         if dtype is not None and t.is_floating_point():
-            return t.to(device=device, dtype=dtype)
-        return t.to(device=device)
+            return t.to(device=device, dtype=dtype, copy=True)
+        return t.to(device=device, copy=True)
 
     return _drop_opaque(map_structure(obj, move))
 
