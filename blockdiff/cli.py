@@ -77,6 +77,8 @@ def cli() -> None:
       blockdiff diff samples/tinylm.py:build samples/bugs.py:gelu_for_silu
       blockdiff diff samples/tinylm.py:build --cand-dtype bfloat16
       blockdiff arch samples/tinylm.py:build
+      blockdiff capture samples/tinylm.py:build --out ref.h5
+      blockdiff diff ref.h5 samples/bugs.py:gelu_for_silu
     """
 
 
@@ -129,6 +131,9 @@ def _apply(options: list) -> Callable:
 )
 @click.option("--fast/--no-fast", default=False, show_default=True, help="Skip sub-path experiments of blocks that are within tolerance as a whole.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report (blockdiff.report/1) here.")
+@click.option("--save-dumps", type=click.Path(file_okay=False), help="Keep both sides' captures as DIR/reference.h5 and DIR/candidate.h5.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG: local-error heatmap, drift, MoE expert loads (needs matplotlib).")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write one self-contained HTML report (the JSON embedded).")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the first-divergence line.")
 @debug_option
 def diff_command(
@@ -150,13 +155,26 @@ def diff_command(
     capacity_factors: tuple[float, ...],
     fast: bool,
     json_path: str | None,
+    save_dumps: str | None,
+    plot_path: str | None,
+    html_path: str | None,
     quiet: bool,
 ) -> None:
     """Diff CANDIDATE against REFERENCE and localize the first divergence.
 
     A model is path/to/file.py:factory or package.module:factory (a callable returning
-    an nn.Module). CANDIDATE defaults to REFERENCE's factory, so --cand-dtype alone
-    compares precisions. Exit code 0: no divergence; 1: divergence; 2: usage or input error.
+    an nn.Module), a local Hugging Face model directory or config.json, or an HDF5 dump
+    written by `blockdiff capture`. CANDIDATE defaults to REFERENCE's factory, so
+    --cand-dtype alone compares precisions.
+
+    \b
+    REFERENCE  CANDIDATE  what runs
+    model      model      live diff with full localization
+    dump       model      replay: the candidate runs on the dump's inputs, localized
+                          against the stored reference block by block (fixed thresholds)
+    dump       dump       offline: drift at every site only
+
+    Exit code 0: no divergence; 1: divergence; 2: usage or input error.
 
     \b
     Examples:
@@ -165,15 +183,19 @@ def diff_command(
       blockdiff diff mypkg.models:reference mypkg.models:fused --tol ffn=0.02
       blockdiff diff samples/tinylm.py:build --ref-device cpu --cand-device cuda --cand-dtype bfloat16
       blockdiff diff samples/tinylm.py:build_moe samples/bugs.py:moe_expert_off_by_one --capacity-factor 1.5
+      blockdiff diff ref.h5 samples/bugs.py:gelu_for_silu --cand-dtype bfloat16
+      blockdiff diff ref.h5 cand.h5
+      blockdiff diff samples/tinylm.py:build samples/bugs.py:post_norm --plot bug.png --html bug.html
     """
-    from . import hookmap
-    from .engine import diff
-    from .inputs import load_tokens, random_tokens
-    from .loading import build_model, parse_device, parse_dtype
-    from .render import render
+    from . import engine, hookmap
+    from .loading import build_model, is_dump, parse_device, parse_dtype
     from .tolerance import Tolerance
 
     overrides = _parse_tolerances(tols)
+    if plot_path:
+        from .plot import require_matplotlib
+
+        require_matplotlib()  # fail before the diff runs, not after
     if any(not cf > 0 for cf in capacity_factors):
         raise click.BadParameter("capacity factors must be positive numbers", param_hint="--capacity-factor")
     if hooks_path and (ref_hooks or cand_hooks):
@@ -184,40 +206,219 @@ def diff_command(
     tolerance = Tolerance(policy=policy, overrides=overrides)
     r_map = hookmap.load(ref_hooks or hooks_path) if (ref_hooks or hooks_path) else None
     c_map = hookmap.load(cand_hooks or hooks_path) if (cand_hooks or hooks_path) else None
-    candidate = candidate or reference
-    ref_model = build_model(reference, device=r_device, dtype=r_dtype)
-    cand_model = build_model(candidate, device=c_device, dtype=c_dtype)
-    if tokens:
-        ids = load_tokens(tokens)
+    ref_dump = is_dump(reference)
+    if candidate is None:
+        if ref_dump:
+            raise click.UsageError("a reference dump needs a CANDIDATE (a model to replay, or a second dump)")
+        candidate = reference
+    cand_dump = is_dump(candidate)
+    if save_dumps and (ref_dump or cand_dump):
+        raise click.UsageError("--save-dumps keeps the captures of a live diff; here a side is already a dump")
+    factors = capacity_factors or (1.0, 1.25)
+    if cand_dump and not ref_dump:
+        raise click.UsageError("a candidate dump needs a reference dump: blockdiff diff REF.h5 CAND.h5")
+    if ref_dump and cand_dump:
+        report = engine.compare_dumps(reference, candidate, tolerance=tolerance, labels=(reference, candidate))
+    elif ref_dump:
+        cand_model = build_model(candidate, device=c_device, dtype=c_dtype)
+        report = engine.replay(
+            reference,
+            cand_model,
+            tolerance=tolerance,
+            candidate_hooks=c_map,
+            fast_path=fast,
+            capacity_factors=factors,
+            labels=(reference, candidate),
+        )
     else:
-        from .engine import vocab_size
+        ref_model = build_model(reference, device=r_device, dtype=r_dtype)
+        cand_model = build_model(candidate, device=c_device, dtype=c_dtype)
+        ids = _token_ids(ref_model, r_map, tokens=tokens, batch=batch, seq=seq, seed=seed)
+        report = engine.diff(
+            ref_model,
+            cand_model,
+            ids,
+            tolerance=tolerance,
+            reference_hooks=r_map,
+            candidate_hooks=c_map,
+            fast_path=fast,
+            capacity_factors=factors,
+            labels=(reference, candidate),
+            save_dumps=save_dumps,
+        )
+    _emit(report, json_path=json_path, quiet=quiet, plot_path=plot_path, html_path=html_path)
 
-        vocab = vocab_size(ref_model, hookmap.resolve(ref_model, r_map))
-        if vocab is None:
-            raise BlockdiffError("cannot tell the reference's vocabulary size; give token ids with --tokens")
-        ids = random_tokens(batch=batch, seq=seq, vocab=vocab, seed=seed)
-    report = diff(
-        ref_model,
-        cand_model,
-        ids,
-        tolerance=tolerance,
-        reference_hooks=r_map,
-        candidate_hooks=c_map,
-        fast_path=fast,
-        capacity_factors=capacity_factors or (1.0, 1.25),
-        labels=(reference, candidate),
-    )
+
+def _token_ids(model, hook_map, *, tokens: str | None, batch: int, seq: int, seed: int):
+    """Token ids from --tokens, or random ones within the model's vocabulary."""
+    from . import hookmap
+    from .engine import vocab_size
+    from .inputs import load_tokens, random_tokens
+
+    if tokens:
+        return load_tokens(tokens)
+    vocab = vocab_size(model, hookmap.resolve(model, hook_map))
+    if vocab is None:
+        raise BlockdiffError("cannot tell the model's vocabulary size; give token ids with --tokens")
+    return random_tokens(batch=batch, seq=seq, vocab=vocab, seed=seed)
+
+
+def _write(what: str, path: str, write: Callable[[], None]) -> None:
+    try:
+        write()
+    except OSError as exc:
+        raise BlockdiffError(f"cannot write the {what} to {path}: {exc.strerror or exc}") from None
+
+
+def _pictures(report: Any, *, plot_path: str | None, html_path: str | None) -> None:
+    if plot_path:
+        from .plot import write_png
+
+        _write("PNG", plot_path, lambda: write_png(report, plot_path))
+    if html_path:
+        from .html import write_html
+
+        _write("HTML report", html_path, lambda: write_html(report, html_path))
+
+
+def _emit(report, *, json_path: str | None, quiet: bool, plot_path: str | None = None, html_path: str | None = None) -> None:
+    """Write the JSON report and pictures, print the report, exit 1 on divergence."""
+    from .render import render
+
     if json_path:
-        try:
-            report.write_json(json_path)
-        except OSError as exc:
-            raise BlockdiffError(f"cannot write the JSON report to {json_path}: {exc.strerror or exc}") from None
+        _write("JSON report", json_path, lambda: report.write_json(json_path))
+    _pictures(report, plot_path=plot_path, html_path=html_path)
     if quiet:
         first = report.first_divergence
         click.echo("no divergence" if first is None else f"first divergence: {first.headline()}")
     else:
         render(report, _console())
     sys.exit(EXIT_DIVERGED if report.diverged else 0)
+
+
+@cli.command("report")
+@click.argument("report_path", metavar="REPORT.json")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the PNG (needs matplotlib).")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write the self-contained HTML report.")
+@debug_option
+def report_command(report_path: str, plot_path: str | None, html_path: str | None) -> None:
+    """Render a saved JSON report (from `blockdiff diff --json`) as a PNG and/or HTML.
+
+    \b
+    Examples:
+      blockdiff report report.json --plot report.png --html report.html
+    """
+    import json
+    from pathlib import Path
+
+    if not plot_path and not html_path:
+        raise click.UsageError("nothing to write: give --plot PATH.png and/or --html PATH")
+    try:
+        data = json.loads(Path(report_path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BlockdiffError(f"{report_path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BlockdiffError(f"{report_path}: not a JSON report ({exc})") from None
+    if plot_path:
+        from .plot import require_matplotlib
+
+        require_matplotlib()
+    _pictures(data, plot_path=plot_path, html_path=html_path)
+    click.echo("wrote " + " and ".join(p for p in (plot_path, html_path) if p))
+
+
+@cli.command("capture")
+@click.argument("model")
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="The dump to write (HDF5).")
+@click.option("--device", default="cpu", show_default=True, help="Device to run on (cpu, cuda, cuda:N, auto).")
+@click.option("--dtype", default="float32", show_default=True, help="Dtype to run in.")
+@_apply(model_options)
+@click.option("--hooks", "hooks_path", type=click.Path(dir_okay=False), help="Hook map TOML (default: found by class name).")
+@click.option("--compress", type=click.Choice(["lzf", "gzip"]), default=None, help="Compress the tensors [default: off].")
+@debug_option
+def capture_command(
+    model: str,
+    out: str,
+    device: str,
+    dtype: str,
+    batch: int,
+    seq: int,
+    seed: int,
+    tokens: str | None,
+    hooks_path: str | None,
+    compress: str | None,
+) -> None:
+    """Run MODEL once and stream every site into an HDF5 dump.
+
+    The inputs are stored in the dump, so a later `blockdiff diff OUT CANDIDATE` replays
+    the candidate on the same tokens. Sites are written while the forward runs; the file
+    appears at OUT only once complete.
+
+    \b
+    Examples:
+      blockdiff capture samples/tinylm.py:build --out ref.h5
+      blockdiff capture mypkg.models:build --device cuda --dtype bfloat16 --out gpu.h5 --compress lzf
+    """
+    from . import engine, hookmap
+    from .loading import build_model, parse_device, parse_dtype
+
+    r_device, r_dtype = parse_device(device), parse_dtype(dtype)
+    hook_map = hookmap.load(hooks_path) if hooks_path else None
+    built = build_model(model, device=r_device, dtype=r_dtype)
+    ids = _token_ids(built, hook_map, tokens=tokens, batch=batch, seq=seq, seed=seed)
+    engine.capture(built, ids, out, hooks=hook_map, compress=compress, label=model)
+    click.echo(f"wrote {out}")
+
+
+@cli.command("inspect")
+@click.argument("dump")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--verify", is_flag=True, help="Check every tensor's checksum and report the result.")
+@debug_option
+def inspect_command(dump: str, as_json: bool, verify: bool) -> None:
+    """Show what DUMP holds: metadata, and per stage and block its sites with shapes,
+    dtypes and statistics.
+
+    \b
+    Examples:
+      blockdiff inspect ref.h5
+      blockdiff inspect ref.h5 --verify
+      blockdiff inspect ref.h5 --json > ref.json
+    """
+    import json
+
+    from .dump import DumpReader
+    from .summary import render_summary, summarize
+
+    with DumpReader(dump) as reader:
+        checked = reader.verify_all() if verify else None
+        summary = summarize(reader)
+    if checked is not None:
+        summary["verified"] = {"sites": checked.sites, "tensors": checked.tensors, "bytes": checked.bytes}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2, default=str))
+    else:
+        render_summary(summary, _console())
+
+
+@cli.command("export")
+@click.argument("dump")
+@click.option("--to", "fmt", type=click.Choice(["safetensors"]), default="safetensors", show_default=True, help="Format to write.")
+@click.argument("out")
+@debug_option
+def export_command(dump: str, fmt: str, out: str) -> None:
+    """Export every tensor of DUMP to OUT as a flat safetensors file, keyed by site path
+    (MODULE#CALL/output/0, MODULE#CALL/args/0, inputs/0), with a digest manifest
+    OUT.manifest.json that blockdiff checks when it reads the file back.
+
+    \b
+    Example:
+      blockdiff export ref.h5 --to safetensors ref.safetensors
+    """
+    from .export import export_safetensors, manifest_path
+
+    manifest = export_safetensors(dump, out)
+    click.echo(f"wrote {out} ({len(manifest['tensors'])} tensors) and {manifest_path(out).name}")
 
 
 @cli.command("arch")
@@ -254,6 +455,7 @@ def arch_command(model: str, hooks_path: str | None, as_json: bool) -> None:
 
 def main(argv: list[str] | None = None) -> Any:
     """Entry point of the console script."""
+    _state["debug"] = bool(os.environ.get("BLOCKDIFF_DEBUG"))  # --debug sets it per run
     try:
         return cli.main(args=argv, prog_name="blockdiff", standalone_mode=False)
     except click.exceptions.Exit as exc:

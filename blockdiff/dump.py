@@ -55,8 +55,10 @@ STANDARD_ATTRIBUTES = (
 )
 # Written after everything else, so they are outside what the metadata digest covers.
 _UNDIGESTED = ("metadata_digest", "complete")
-SITE_ATTRIBUTES = ("stage", "block", "subpath", "module", "call", "ordinal", "order")
 _COMPRESSIONS = (None, "lzf", "gzip")
+# The HDF5 1.10 file format: object headers, B-trees and chunk indexes carry checksums,
+# so libhdf5 itself rejects most damage to the file's structure.
+_LIBVER = ("v110", "v110")
 
 # torch dtypes numpy holds natively; every other dtype is stored as raw bits.
 _NUMPY_NATIVE = {
@@ -127,9 +129,7 @@ def _canonical(value: Any) -> bytes:
         return b"s" + value.encode("utf-8", "surrogatepass")
     if isinstance(value, bytes):
         return b"b" + value
-    arr = np.asarray(value)
-    if arr.dtype.kind == "O":  # arrays of variable-length strings (foreign files)
-        return b"o" + repr(arr.tolist()).encode("utf-8", "surrogatepass")
+    arr = np.asarray(value)  # _raw_attr only lets scalar numbers through
     return b"n" + arr.dtype.str.encode() + repr(arr.shape).encode() + arr.tobytes()
 
 
@@ -166,13 +166,31 @@ def _metadata_digest(f: h5py.File) -> str:
 # file attributes
 
 
+def _set_attr(attrs: h5py.AttributeManager, name: str, value: Any) -> None:
+    """Write one attribute; strings as fixed-length UTF-8.
+
+    Variable-length strings live in HDF5's global heap, which has no checksum: a flipped
+    byte there can hang libhdf5 on read. Fixed-length strings sit inside the (checksummed)
+    object header. h5py reads them back as ``bytes``.
+    """
+    if isinstance(value, str):
+        data = value.encode("utf-8")
+        if b"\0" in data:
+            raise ValueError(f"attribute {name!r}: strings in a dump cannot contain NUL characters")
+        attrs.create(name, data=np.array(data, dtype=h5py.string_dtype("utf-8", max(len(data), 1))))
+    else:
+        attrs[name] = value
+
+
 def _encode_attr(key: str, value: Any) -> tuple[Any, bool]:
     """A meta value as stored: ``(value, is_json)``."""
     if isinstance(value, np.generic):
         value = value.item()
     if isinstance(value, (torch.dtype, torch.device)):
         value = _dtype_name(value) if isinstance(value, torch.dtype) else str(value)
-    if isinstance(value, (str, bool, float)):
+    if isinstance(value, str) and "\0" not in value:
+        return value, False
+    if isinstance(value, (bool, float)):
         return value, False
     if isinstance(value, int) and -(2**63) <= value < 2**63:
         return value, False
@@ -202,9 +220,10 @@ def _raw_attr(obj: h5py.HLObject, name: str) -> Any:
     if cls not in _ATTR_CLASSES or aid.shape != ():
         raise ValueError(f"attribute {name!r} has an unexpected type (class {cls}, shape {aid.shape})")
     if cls == h5py.h5t.STRING:
-        # Dumps hold variable-length strings (a pointer); fixed-length ones must be small.
+        # Dumps hold fixed-length strings; a variable-length one (a heap pointer) is
+        # accepted for files written by other tools.
         size, variable = tid.get_size(), tid.is_variable_str()
-        if (variable and size != 8) or (not variable and size > 1 << 16):
+        if (variable and size != 8) or (not variable and size > 1 << 26):
             raise ValueError(f"attribute {name!r} has a damaged string type")
     elif cls == h5py.h5t.ENUM:
         if tid.get_size() != 1 or tid.get_nmembers() != 2:
@@ -220,7 +239,7 @@ def _attr(obj: h5py.HLObject, name: str) -> Any:
 
 
 def _decode_attr(value: Any) -> Any:
-    if isinstance(value, bytes):
+    if isinstance(value, bytes):  # np.bytes_ too: fixed-length strings
         return value.decode("utf-8")
     if isinstance(value, np.generic):
         return value.item()
@@ -301,9 +320,9 @@ class _Encoder:
             arr = arr.reshape(1)  # HDF5 cannot chunk (or checksum) a scalar dataset
         name = f"t{len(self.refs)}"
         dset = self.group.create_dataset(name, data=arr, chunks=True, fletcher32=True, **self.compression)
-        dset.attrs["torch_dtype"] = _dtype_name(t.dtype)
-        dset.attrs["shape"] = json.dumps(shape)
-        dset.attrs["sha256"] = _bytes_digest(arr)
+        _set_attr(dset.attrs, "torch_dtype", _dtype_name(t.dtype))
+        _set_attr(dset.attrs, "shape", json.dumps(shape))
+        _set_attr(dset.attrs, "sha256", _bytes_digest(arr))
         self.refs[id(original)] = name
         self._alive.append(original)
         return name
@@ -438,16 +457,16 @@ class DumpWriter:
         self._has_inputs = False
         self._meta_keys: list[str] = []
         try:
-            self._file: h5py.File | None = h5py.File(self.tmp_path, "w")
+            self._file: h5py.File | None = h5py.File(self.tmp_path, "w", libver=_LIBVER)
         except Exception as exc:
             raise DumpError(f"{self.path}: cannot create the dump: {exc}", path=str(self.path)) from exc
         try:
             attrs = self._file.attrs
-            attrs["format"] = FORMAT
-            attrs["schema_version"] = SCHEMA_VERSION
-            attrs["blockdiff_version"] = _blockdiff_version()
-            attrs["torch_version"] = str(torch.__version__)
-            attrs["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            _set_attr(attrs, "format", FORMAT)
+            _set_attr(attrs, "schema_version", SCHEMA_VERSION)
+            _set_attr(attrs, "blockdiff_version", _blockdiff_version())
+            _set_attr(attrs, "torch_version", str(torch.__version__))
+            _set_attr(attrs, "created", datetime.now(timezone.utc).isoformat(timespec="seconds"))
             self._write_meta()
             self._sites = self._file.create_group("sites")
         except BaseException:
@@ -457,26 +476,31 @@ class DumpWriter:
     # -- SiteStore (write side)
 
     def add(self, site: Site) -> None:
-        """Write one site as group ``/sites/NNNNNN`` (NNNNNN: execution order)."""
+        """Write one site as group ``/sites/NNNNNN`` (NNNNNN: how many were written before)."""
         f = self._open_file()
         order = self._count
         name = f"{order:06d}"
-        group = self._sites.create_group(name)
         try:
-            group.attrs["stage"] = str(site.stage)
-            group.attrs["block"] = -1 if site.block is None else int(site.block)
-            group.attrs["subpath"] = "" if site.subpath is None else str(site.subpath)
-            group.attrs["module"] = str(site.module)
-            group.attrs["call"] = int(site.call)
-            group.attrs["ordinal"] = int(site.ordinal)
-            group.attrs["order"] = order
+            group = self._sites.create_group(name)
+        except Exception as exc:
+            raise DumpError(f"{self.path}: cannot write site {site.label}: {exc}", path=str(self.path)) from exc
+        try:
+            _set_attr(group.attrs, "stage", str(site.stage))
+            _set_attr(group.attrs, "block", -1 if site.block is None else int(site.block))
+            _set_attr(group.attrs, "subpath", "" if site.subpath is None else str(site.subpath))
+            _set_attr(group.attrs, "module", str(site.module))
+            _set_attr(group.attrs, "call", int(site.call))
+            _set_attr(group.attrs, "ordinal", int(site.ordinal))
+            # Start order of the call (a block starts before its modules); the group
+            # name counts completions, the order sites are written in.
+            _set_attr(group.attrs, "order", int(site.order))
             enc = _Encoder(group, self._compression)
             structure = {
                 "args": enc.node(tuple(site.args)),
                 "kwargs": enc.node(dict(site.kwargs)),
                 "output": enc.node(site.output),
             }
-            group.attrs["structure"] = json.dumps(structure)
+            _set_attr(group.attrs, "structure", json.dumps(structure))
         except Exception as exc:
             # Leave no half-written site behind if the caller carries on.
             del f["sites"][name]
@@ -496,7 +520,7 @@ class DumpWriter:
             raise DumpError(f"{self.path}: inputs were already recorded", path=str(self.path))
         group = f.create_group("inputs")
         try:
-            group.attrs["structure"] = json.dumps(_Encoder(group, self._compression).node(obj))
+            _set_attr(group.attrs, "structure", json.dumps(_Encoder(group, self._compression).node(obj)))
         except Exception as exc:
             del f["inputs"]
             raise DumpError(
@@ -515,8 +539,8 @@ class DumpWriter:
             self._check_meta()
             self._write_meta()
             f.flush()
-            f.attrs["metadata_digest"] = _metadata_digest(f)
-            f.attrs["complete"] = True
+            _set_attr(f.attrs, "metadata_digest", _metadata_digest(f))
+            _set_attr(f.attrs, "complete", True)
             f.close()
             self._file = None
             _fsync(self.tmp_path)
@@ -586,10 +610,10 @@ class DumpWriter:
         json_keys = []
         for key, value in self.meta.items():
             stored, is_json = _encode_attr(key, value)
-            attrs[key] = stored
+            _set_attr(attrs, key, stored)
             if is_json:
                 json_keys.append(key)
-        attrs["json_attributes"] = json.dumps(json_keys)
+        _set_attr(attrs, "json_attributes", json.dumps(json_keys))
         self._meta_keys = list(self.meta)
 
 
@@ -633,7 +657,8 @@ class _Entry:
 
     @property
     def label(self) -> str:
-        return f"/sites/{self.name} ({describe_key((self.stage, self.block, self.subpath, self.ordinal))}, {self.module})"
+        key = (self.stage, self.block, self.subpath, self.ordinal)
+        return f"/sites/{self.name} ({describe_key(key)}, {self.module})"
 
 
 class DumpReader:
@@ -723,7 +748,9 @@ class DumpReader:
                     ordinal=int(_attr(group, "ordinal")),
                 )
             )
-        entries.sort(key=lambda e: e.order)
+        # Calls in the order they started (a block before its modules); sites written
+        # without an order (all 0) keep the order they were written in.
+        entries.sort(key=lambda e: (e.order, int(e.name)))
         self._entries = entries
 
     # -- SiteStore (read side)
@@ -752,7 +779,7 @@ class DumpReader:
     def inputs(self) -> Any:
         """The recorded model inputs, or ``None`` if the dump has none."""
         f = self._open_file()
-        with self._guard("cannot be read", site="/inputs"):
+        with self._guard("cannot be read (the file is damaged)", site="/inputs"):
             if "inputs" not in f:
                 return None
             group = f["inputs"]
@@ -770,7 +797,7 @@ class DumpReader:
         f = self._open_file()
         tensors = nbytes = 0
         for e in self._entries:
-            with self._guard("cannot be read", site=e.label):
+            with self._guard("cannot be read (the file is damaged)", site=e.label):
                 group = f["sites"][e.name]
                 structure = json.loads(_attr(group, "structure"))
                 _, dec = self._decode(group, structure, e.label, verify=True)
@@ -779,7 +806,7 @@ class DumpReader:
                     raise ValueError(f"datasets {sorted(extra)} are not referenced by the structure")
             tensors += len(dec.tensors)
             nbytes += dec.nbytes
-        with self._guard("cannot be read", site="/inputs"):
+        with self._guard("cannot be read (the file is damaged)", site="/inputs"):
             if "inputs" in f:
                 group = f["inputs"]
                 structure = json.loads(_attr(group, "structure"))
@@ -821,7 +848,7 @@ class DumpReader:
 
     def _read(self, e: _Entry) -> Site:
         f = self._open_file()
-        with self._guard("cannot be read", site=e.label):
+        with self._guard("cannot be read (the file is damaged)", site=e.label):
             group = f["sites"][e.name]
             structure = json.loads(_attr(group, "structure"))
             decoded, _ = self._decode(group, structure, e.label)
@@ -838,6 +865,7 @@ class DumpReader:
                 args=args,
                 kwargs=kwargs,
                 output=output,
+                order=e.order,
             )
 
     def _decode(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -15,13 +16,15 @@ from torch import nn
 
 from . import __version__
 from .capture import record
-from .errors import BlockdiffError, InputError, ModelRunError
-from .hookmap import HookMap, Layout, resolve
+from .dump import DumpReader, DumpWriter
+from .errors import BlockdiffError, DumpError, InputError, ModelRunError
+from .hookmap import HookMap, Layout, layout_from_dict, resolve
 from .inputs import Inputs, check_inputs, check_vocab, digest, model_device, model_dtype
-from .localize import Localizer, Side, first_nonfinite
+from .loading import parse_dtype
+from .localize import Localizer, Side, first_nonfinite, offline_drift
 from .report import Report
 from .store import MemoryStore
-from .tolerance import Tolerance
+from .tolerance import Tolerance, working_dtype
 
 
 @contextmanager
@@ -68,6 +71,7 @@ def diff(
     fast_path: bool = False,
     capacity_factors: tuple[float, ...] = (1.0, 1.25),
     labels: tuple[str | None, str | None] = (None, None),
+    save_dumps: str | Path | None = None,
 ) -> Report:
     """Find where ``candidate`` first diverges from ``reference`` on ``inputs``.
 
@@ -86,6 +90,8 @@ def diff(
         capacity_factors: counterfactual capacity factors for the routing statistics of
             dropless MoE blocks.
         labels: how the report names the two models (e.g. their specs).
+        save_dumps: a directory to keep both sides' captures in, as ``reference.h5`` and
+            ``candidate.h5``.
 
     Returns:
         The :class:`~blockdiff.report.Report`; ``report.first_divergence`` is ``None``
@@ -100,44 +106,229 @@ def diff(
     check_inputs(inputs)
     ref_layout = resolve(reference, reference_hooks)
     cand_layout = resolve(candidate, candidate_hooks)
-    if len(ref_layout.blocks) != len(cand_layout.blocks):
-        raise InputError(
-            f"the reference has {len(ref_layout.blocks)} blocks and the candidate "
-            f"{len(cand_layout.blocks)}; blockdiff compares models with the same number of blocks"
-        )
+    _check_block_counts(len(ref_layout.blocks), len(cand_layout.blocks))
     if isinstance(inputs, torch.Tensor):
         check_vocab(inputs, vocab_size(reference, ref_layout), side="reference")
         check_vocab(inputs, vocab_size(candidate, cand_layout), side="candidate")
-    tolerance = (tolerance or Tolerance()).resolved(
-        same_dtype=model_dtype(reference) == model_dtype(candidate),
-        same_device=model_device(reference) == model_device(candidate),
-    )
     with ExitStack() as stack:
         stack.enter_context(eval_mode(reference))
         stack.enter_context(eval_mode(candidate))
-        ref_store, cand_store = MemoryStore(), MemoryStore()
+        ref_meta = describe_side(reference, ref_layout, labels[0])
+        cand_meta = describe_side(candidate, cand_layout, labels[1])
+        ref_store, cand_store = MemoryStore(ref_meta), MemoryStore(cand_meta)
         _run("reference", record, reference, ref_layout, ref_store, inputs)
         _run("candidate", record, candidate, cand_layout, cand_store, inputs)
-        ref_side = Side("reference", reference, ref_layout, ref_store)
-        cand_side = Side("candidate", candidate, cand_layout, cand_store)
-        localizer = Localizer(ref_side, cand_side, tolerance, fast_path=fast_path, capacity_factors=capacity_factors)
-        with torch.inference_mode():
-            stages = _run("candidate", lambda: list(localizer.stages()))
-            blocks = _run("candidate", lambda: list(localizer.blocks()))
+        if save_dumps is not None:
+            folder = Path(save_dumps)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise DumpError(f"cannot create {folder}: {exc.strerror or exc}", path=str(folder)) from None
+            for name, store, layout in (("reference", ref_store, ref_layout), ("candidate", cand_store, cand_layout)):
+                write_dump(store, folder / f"{name}.h5", inputs=inputs, layout=layout)
+        return _localize(
+            Side("reference", reference, ref_layout, ref_store),
+            Side("candidate", candidate, cand_layout, cand_store),
+            inputs,
+            tolerance,
+            fast_path=fast_path,
+            capacity_factors=capacity_factors,
+        )
+
+
+def _check_block_counts(reference: int, candidate: int) -> None:
+    if reference != candidate:
+        raise InputError(
+            f"the reference has {reference} blocks and the candidate {candidate}; "
+            "blockdiff compares models with the same number of blocks"
+        )
+
+
+def _localize(
+    ref: Side,
+    cand: Side,
+    inputs: Inputs,
+    tolerance: Tolerance | None,
+    *,
+    fast_path: bool,
+    capacity_factors: tuple[float, ...],
+) -> Report:
+    """Localize a captured pair of sides (the candidate live) into a report."""
+    tolerance = (tolerance or Tolerance()).resolved(
+        same_dtype=ref.dtype == cand.dtype,
+        same_device=ref.device == cand.device,
+    )
+    localizer = Localizer(ref, cand, tolerance, fast_path=fast_path, capacity_factors=capacity_factors)
+    with torch.inference_mode():
+        stages = _run("candidate", lambda: list(localizer.stages()))
+        blocks = _run("candidate", lambda: list(localizer.blocks()))
+    report = Report(
+        reference=dict(ref.store.meta),
+        candidate=dict(cand.store.meta),
+        inputs=describe_inputs(inputs),
+        tolerance=tolerance.to_dict(localizer.dtype),
+        stages=stages,
+        blocks=blocks,
+        moe=localizer.moe,
+        first_nonfinite=first_nonfinite(ref.store, cand.store),
+        created=_now(),
+        version=__version__,
+    )
+    if tolerance.calibrated and not localizer.calibrate:
+        report.notes.append(
+            "calibrated tolerance needs the live reference modules, which a dump does not hold: "
+            "fixed thresholds were used"
+        )
+        report.tolerance["policy"] = "fixed"
+    return report
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_dump(store: MemoryStore, path: str | Path, *, inputs: Inputs, layout: Layout, compress: str | None = None) -> None:
+    """Write an in-memory capture to an HDF5 dump."""
+    with DumpWriter(path, meta=_dump_meta(store.meta, inputs, layout), compress=compress) as writer:
+        writer.add_inputs(inputs)
+        for site in store.sites():
+            writer.add(site)
+
+
+def _dump_meta(side: dict[str, Any], inputs: Inputs, layout: Layout) -> dict[str, Any]:
+    return {**side, "layout": layout.to_dict(), "inputs_digest": digest(inputs)}
+
+
+def capture(
+    model: nn.Module,
+    inputs: Inputs,
+    out: str | Path,
+    *,
+    hooks: HookMap | None = None,
+    compress: str | None = None,
+    label: str | None = None,
+) -> None:
+    """Run ``model`` once on ``inputs`` and stream every site into the dump ``out``.
+
+    Sites are written as the forward produces them, so memory does not grow with the
+    number of blocks. The dump is complete, or absent (written under a temporary name and
+    renamed at the end).
+    """
+    check_inputs(inputs)
+    layout = resolve(model, hooks)
+    if isinstance(inputs, torch.Tensor):
+        check_vocab(inputs, vocab_size(model, layout), side="model")
+    meta = _dump_meta(describe_side(model, layout, label), inputs, layout)
+    with eval_mode(model), DumpWriter(out, meta=meta, compress=compress) as writer:
+        writer.add_inputs(inputs)
+        _run("captured", record, model, layout, writer, inputs)
+
+
+def _dump_side(name: str, dump: DumpReader, label: str | None) -> Side:
+    meta = dump.meta
+    layout = layout_from_dict(meta.get("layout") or {})
+    dump_label = label or str(dump.path)
+    dump.meta = {
+        "model": dump_label,
+        "class": meta.get("class"),
+        "device": meta.get("device"),
+        "dtype": meta.get("dtype"),
+        "hook_map": meta.get("hook_map"),
+        "dump": str(dump.path),
+        "captured_model": meta.get("model"),
+    }
+    return Side(
+        name,
+        None,
+        layout,
+        dump,
+        captured_dtype=parse_dtype(str(meta.get("dtype", "float32"))),
+        captured_device=torch.device(str(meta.get("device", "cpu"))),
+    )
+
+
+def replay(
+    reference: str | Path,
+    candidate: nn.Module,
+    *,
+    tolerance: Tolerance | None = None,
+    candidate_hooks: HookMap | None = None,
+    fast_path: bool = False,
+    capacity_factors: tuple[float, ...] = (1.0, 1.25),
+    labels: tuple[str | None, str | None] = (None, None),
+) -> Report:
+    """Run a live ``candidate`` on a reference dump's inputs and localize against it.
+
+    The reference is read block by block from the dump. Without live reference modules
+    there are no calibrated noise floors: the fixed thresholds judge, and the report says so.
+    """
+    with DumpReader(reference) as dump:
+        inputs = dump.inputs()
+        if inputs is None:
+            raise DumpError(f"{reference}: the dump holds no model inputs to replay", path=str(reference))
+        ref = _dump_side("reference", dump, labels[0])
+        cand_layout = resolve(candidate, candidate_hooks)
+        _check_block_counts(len(ref.layout.blocks), len(cand_layout.blocks))
+        if isinstance(inputs, torch.Tensor):
+            check_vocab(inputs, vocab_size(candidate, cand_layout), side="candidate")
+        with eval_mode(candidate):
+            cand_store = MemoryStore(describe_side(candidate, cand_layout, labels[1]))
+            _run("candidate", record, candidate, cand_layout, cand_store, inputs)
+            report = _localize(
+                ref,
+                Side("candidate", candidate, cand_layout, cand_store),
+                inputs,
+                tolerance,
+                fast_path=fast_path,
+                capacity_factors=capacity_factors,
+            )
+    report.notes.insert(0, f"replay: the reference is the dump {reference}")
+    return report
+
+
+def compare_dumps(
+    reference: str | Path,
+    candidate: str | Path,
+    *,
+    tolerance: Tolerance | None = None,
+    labels: tuple[str | None, str | None] = (None, None),
+) -> Report:
+    """Compare two dumps offline: drift at every site, judged against fixed thresholds.
+
+    Local errors need a live candidate module (replay); two dumps hold only what each
+    side computed on its own inputs, so the report judges drift and says so.
+    """
+    with DumpReader(reference) as ref_dump, DumpReader(candidate) as cand_dump:
+        ref = _dump_side("reference", ref_dump, labels[0])
+        cand = _dump_side("candidate", cand_dump, labels[1])
+        _check_block_counts(len(ref_dump.block_indices()), len(cand_dump.block_indices()))
+        ref_inputs, cand_inputs = ref_dump.inputs(), cand_dump.inputs()
+        if ref_inputs is not None and cand_inputs is not None and digest(ref_inputs) != digest(cand_inputs):
+            raise InputError(
+                f"the dumps were captured on different inputs ({reference}: {digest(ref_inputs)}, "
+                f"{candidate}: {digest(cand_inputs)}); capture both on the same token ids"
+            )
+        tolerance = (tolerance or Tolerance(policy="fixed")).resolved(same_dtype=True, same_device=True)
+        if tolerance.calibrated:
+            tolerance = Tolerance("fixed", dict(tolerance.overrides), tolerance.multiplier, tolerance.atol, tolerance.fixed)
+        dtype = working_dtype(ref.dtype, cand.dtype)
+        stages, blocks = offline_drift(ref_dump, cand_dump, tolerance, dtype)
         report = Report(
-            reference=describe_side(reference, ref_layout, labels[0]),
-            candidate=describe_side(candidate, cand_layout, labels[1]),
-            inputs=describe_inputs(inputs),
-            tolerance=tolerance.to_dict(localizer.dtype),
+            reference=dict(ref_dump.meta),
+            candidate=dict(cand_dump.meta),
+            inputs=describe_inputs(ref_inputs) if ref_inputs is not None else {"kind": None, "shape": None, "digest": None},
+            tolerance=tolerance.to_dict(dtype),
             stages=stages,
             blocks=blocks,
-            moe=localizer.moe,
-            first_nonfinite=first_nonfinite(ref_store, cand_store),
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            first_nonfinite=first_nonfinite(ref_dump, cand_dump),
+            created=_now(),
             version=__version__,
         )
-    if not localizer.calibrate and tolerance.calibrated:
-        report.notes.append("calibrated tolerance asked for but no live reference: fixed thresholds used")
+    report.notes.append(
+        "offline comparison of two dumps: only drift could be computed, judged against fixed "
+        "thresholds; local errors (which sub-path is wrong rather than where the error shows) "
+        f"need a live candidate: blockdiff diff {reference} CANDIDATE_MODEL"
+    )
     return report
 
 

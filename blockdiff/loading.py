@@ -259,3 +259,25 @@ def build_model(spec: str, *, device: torch.device, dtype: torch.dtype) -> nn.Mo
             spec=spec,
         )
     return model.to(device=device, dtype=dtype).eval()
+
+
+DUMP_SUFFIXES = (".h5", ".hdf5")
+
+
+def is_dump(spec: str) -> bool:
+    """Whether a CLI model argument names an HDF5 dump rather than a model.
+
+    A path ending in .h5/.hdf5 is a dump whether or not it exists (reading a missing one
+    then says "no such file"); any other existing file that is HDF5 is one too.
+    """
+    path = Path(spec)
+    if path.suffix.lower() in DUMP_SUFFIXES:
+        return True
+    if ":" in spec or not path.is_file():
+        return False
+    import h5py
+
+    try:
+        return bool(h5py.is_hdf5(path))
+    except Exception:
+        return False

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 # Tiny models: one thread is faster than two (OpenMP start-up per op dominates), and keeps
 # the suite steady on a 2-core CI machine.
 torch.set_num_threads(1)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _at_repository_root(monkeypatch):
+    """Model specs in tests (samples/tinylm.py:build) are relative to the repository root."""
+    monkeypatch.chdir(ROOT)
 
 
 @pytest.fixture

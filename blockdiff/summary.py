@@ -1,0 +1,105 @@
+"""Summary: what a dump holds — its metadata, and per stage and block the sites with their
+shapes, dtypes and simple statistics — for ``blockdiff inspect``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .dump import DumpReader
+from .site import Site, describe_key, iter_tensors
+
+
+def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
+    """Shape, dtype and (floating tensors) mean, std, min, max and non-finite count."""
+    out: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    if t.is_floating_point() and t.numel():
+        x = t.detach().to(torch.float64)
+        finite = x[torch.isfinite(x)]
+        out["nonfinite"] = int(x.numel() - finite.numel())
+        if finite.numel():
+            out.update(
+                mean=float(finite.mean()),
+                std=float(finite.std()) if finite.numel() > 1 else 0.0,
+                min=float(finite.min()),
+                max=float(finite.max()),
+            )
+    return out
+
+
+def site_summary(site: Site) -> dict[str, Any]:
+    output = [tensor_stats(t) for t in iter_tensors(site.output)]
+    hidden = site.hidden_input()
+    return {
+        "site": describe_key(site.key),
+        "stage": site.stage,
+        "block": site.block,
+        "subpath": site.subpath,
+        "module": site.module,
+        "call": site.call,
+        "input": None if hidden is None else tensor_stats(hidden),
+        "output": output,
+    }
+
+
+def summarize(dump: DumpReader) -> dict[str, Any]:
+    """The whole dump as plain data; reads one block's sites at a time."""
+    outside = [site_summary(s) for s in dump.outside_sites()]
+    blocks = [
+        {"index": index, "sites": [site_summary(s) for s in dump.block_sites(index)]}
+        for index in dump.block_indices()
+    ]
+    inputs = dump.inputs()
+    return {
+        "path": str(dump.path),
+        "meta": {k: v for k, v in dump.meta.items() if k != "layout"},
+        "inputs": None if inputs is None else [tensor_stats(t) for t in iter_tensors(inputs)],
+        "sites": len(dump),
+        "stages": outside,
+        "blocks": blocks,
+    }
+
+
+def _fmt(stats: dict[str, Any] | None) -> tuple[str, str, str]:
+    if stats is None:
+        return "—", "", ""
+    shape = "×".join(str(d) for d in stats["shape"]) or "scalar"
+    numbers = ""
+    if "mean" in stats:
+        numbers = f"mean {stats['mean']:.3g} std {stats['std']:.3g} [{stats['min']:.3g}, {stats['max']:.3g}]"
+    if stats.get("nonfinite"):
+        numbers += f" {stats['nonfinite']} non-finite"
+    return shape, stats["dtype"], numbers
+
+
+def render_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+    """Print :func:`summarize`'s result: metadata first, then one row per site."""
+    console = console or Console()
+    console.print(f"[bold]{escape(summary['path'])}[/]: {summary['sites']} sites", highlight=False)
+    for key, value in summary["meta"].items():
+        console.print(f"  {key:<18} {escape(str(value))}", highlight=False)
+    if summary.get("inputs"):
+        shapes = ", ".join("×".join(map(str, t["shape"])) + f" {t['dtype']}" for t in summary["inputs"])
+        console.print(f"  {'inputs':<18} {shapes}", highlight=False)
+    if "verified" in summary:
+        v = summary["verified"]
+        console.print(
+            f"[green]verified[/]: {v['tensors']} tensors in {v['sites']} sites, {v['bytes']} bytes, every checksum matches",
+            highlight=False,
+        )
+    table = Table(box=box.SIMPLE_HEAD)
+    for name in ("site", "module", "output", "dtype", "statistics"):
+        table.add_column(name, no_wrap=True)
+    rows = summary["stages"][:]
+    before = [s for s in rows if s["stage"] in ("embed", "context")]
+    after = [s for s in rows if s["stage"] not in ("embed", "context")]
+    ordered = before + [s for b in summary["blocks"] for s in b["sites"]] + after
+    for site in ordered:
+        shape, dtype, numbers = _fmt(site["output"][0] if site["output"] else None)
+        table.add_row(site["site"], escape(site["module"]), shape, dtype, numbers)
+    console.print(table)

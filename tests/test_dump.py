@@ -1,0 +1,576 @@
+"""HDF5 dumps: lossless round trips, plain-h5py readability, atomic writes, damage detection."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from blockdiff.dump import DumpReader, DumpWriter
+from blockdiff.errors import DumpError
+from blockdiff.site import Opaque, Site, map_structure
+
+ROOT = Path(__file__).resolve().parents[1]
+META = {
+    "model": "samples/tiny.py:build",
+    "hook_map": "llama",
+    "device": "cpu",
+    "dtype": "float32",
+    "input_digest": "ab12",
+    "layers": 2,
+    "eps": 1e-6,
+    "config": {"heads": [4, 2], "rope": None},
+}
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+def _site(stage="block", block=0, subpath="attention", module="layers.0.attn", *, call=0, ordinal=0, **kw):
+    return Site(stage, block, subpath, module, call, ordinal, **kw)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bits as integers, so NaN payloads and signed zeros compare exactly."""
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _assert_same_tensor(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert isinstance(got, torch.Tensor)
+    assert got.dtype == want.dtype
+    assert got.shape == want.shape
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    nan_payloads = torch.tensor(
+        [0x7FC00001, 0x7F812345, 0xFFC0BEEF, 0x7F800000, 0xFF800000, 0x80000000, 0x00000001], dtype=torch.int64
+    ).to(torch.int32).view(torch.float32)
+    return {
+        "f32": torch.cat([torch.randn(9, generator=g), nan_payloads]).reshape(4, 4),
+        "f16": torch.randn(3, 5, generator=g).half(),
+        "bf16": torch.cat([torch.randn(6, generator=g), torch.tensor([float("nan"), -0.0, float("inf")])]).to(
+            torch.bfloat16
+        ),
+        # every float8 bit pattern, NaNs included
+        "f8e4m3": torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16),
+        "f8e5m2": torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e5m2),
+        "i64": torch.tensor([torch.iinfo(torch.int64).min, -1, 0, torch.iinfo(torch.int64).max]),
+        "bool": torch.tensor([[True, False, True]]),
+        "scalar": torch.tensor(3.25),
+        "scalar_bf16": torch.tensor(-1.5, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+        "empty_bf16": torch.zeros(2, 0, 3, dtype=torch.bfloat16),
+    }
+
+
+def _write(path: Path, sites, *, inputs=None, meta=META, compress=None) -> Path:
+    with DumpWriter(path, meta=meta, compress=compress) as writer:
+        if inputs is not None:
+            writer.add_inputs(inputs)
+        for site in sites:
+            writer.add(site)
+    return path
+
+
+def _model_sites() -> list[Site]:
+    """A two-block run in the order capture writes it (when calls finish: a block's modules
+    before the block), each site's ``order`` saying when its call started."""
+    g = torch.Generator().manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    sites = [_site("embed", None, None, "embed_tokens", args=(torch.arange(6),), output=rand(6, 4), order=0)]
+    for i in range(2):
+        start = 1 + 5 * i
+        for n, (sub, ordinal) in enumerate((("norm", 0), ("attention", 0), ("norm", 1), ("ffn", 0))):
+            module = f"layers.{i}.{sub}.{ordinal}"
+            sites.append(
+                _site(
+                    "block", i, sub, module, ordinal=ordinal, args=(rand(6, 4),), output=rand(6, 4), order=start + 1 + n
+                )
+            )
+        sites.append(_site("block", i, None, f"layers.{i}", args=(rand(6, 4),), output=rand(6, 4), order=start))
+    sites.append(_site("final_norm", None, None, "norm", args=(rand(6, 4),), output=rand(6, 4), order=11))
+    sites.append(_site("head", None, None, "lm_head", args=(rand(6, 4),), output=rand(6, 9), order=12))
+    return sites
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)[0]
+        fh.seek(offset)
+        fh.write(bytes([byte ^ 0xFF]))
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def test_tensors_round_trip_bit_exact(tmp_path):
+    tensors = _tensors()
+    site = _site(args=tuple(tensors.values()), kwargs=dict(tensors), output=tensors["bf16"])
+    path = _write(tmp_path / "d.h5", [site])
+    with DumpReader(path) as dump:
+        (site,) = dump.sites()
+    assert len(site.args) == len(tensors)
+    for got, (name, want) in zip(site.args, tensors.items()):
+        _assert_same_tensor(got, want)
+        _assert_same_tensor(site.kwargs[name], want)
+    _assert_same_tensor(site.output, tensors["bf16"])
+    assert site.args[_tensor_index("scalar")].dim() == 0
+    assert site.args[_tensor_index("empty_bf16")].shape == (2, 0, 3)
+
+
+def _tensor_index(name: str) -> int:
+    return list(_tensors()).index(name)
+
+
+def test_structures_and_plain_values_survive(tmp_path):
+    x, y = torch.randn(2, 3), torch.randn(3)
+    args = (x, None, True, False, 7, 2**70, 1.5, float("inf"), float("-inf"), float("nan"), -0.0, "héllo",
+            Opaque("DynamicCache"), torch.bfloat16, torch.device("cpu"), [x, (y, None)], ())
+    kwargs = {"attention_mask": y, "use_cache": False, "dtype": torch.float8_e4m3fn, "cache": Opaque("Cache")}
+    output = Pair(x, {"logits": y, 3: [None, {"deep": (1, "two")}]})
+    path = _write(tmp_path / "d.h5", [_site(args=args, kwargs=kwargs, output=output)])
+    with DumpReader(path) as dump:
+        (site,) = dump.sites()
+
+    a = site.args
+    assert type(a) is tuple and len(a) == len(args)
+    _assert_same_tensor(a[0], x)
+    assert a[1] is None and a[2] is True and a[3] is False
+    assert type(a[4]) is int and a[4] == 7 and a[5] == 2**70
+    assert type(a[6]) is float and a[6] == 1.5 and a[7] == math.inf and a[8] == -math.inf and math.isnan(a[9])
+    assert a[10] == 0.0 and math.copysign(1.0, a[10]) == -1.0
+    assert a[11] == "héllo"
+    assert a[12] == Opaque("DynamicCache")
+    assert a[13] is torch.bfloat16 and a[14] == torch.device("cpu")
+    assert type(a[15]) is list and type(a[15][1]) is tuple and a[15][1][1] is None
+    assert a[16] == ()
+    # the same tensor object twice is stored once and comes back as one object
+    assert a[15][0] is a[0]
+
+    assert list(site.kwargs) == ["attention_mask", "use_cache", "dtype", "cache"]
+    _assert_same_tensor(site.kwargs["attention_mask"], y)
+    assert site.kwargs["use_cache"] is False and site.kwargs["dtype"] is torch.float8_e4m3fn
+    assert site.kwargs["cache"] == Opaque("Cache")
+
+    # a namedtuple comes back as a plain tuple of the same values
+    out = site.output
+    assert type(out) is tuple and len(out) == 2
+    _assert_same_tensor(out[0], x)
+    assert list(out[1]) == ["logits", 3]
+    _assert_same_tensor(out[1]["logits"], y)
+    assert out[1][3] == [None, {"deep": (1, "two")}]
+
+
+def test_unknown_objects_are_stored_as_opaque(tmp_path):
+    class Cache:
+        pass
+
+    path = _write(tmp_path / "d.h5", [_site(args=(torch.ones(2),), kwargs={"past": Cache()}, output=torch.ones(2))])
+    with DumpReader(path) as dump:
+        assert dump.sites()[0].kwargs["past"] == Opaque("Cache")
+
+
+def test_site_attributes_order_and_blocks(tmp_path):
+    sites = _model_sites()
+    by_start = sorted(sites, key=lambda s: s.order)
+    assert by_start != sites  # the test must tell written order from execution order
+    inputs = {"input_ids": torch.arange(6).reshape(1, 6), "attention_mask": torch.ones(1, 6, dtype=torch.bool)}
+    path = _write(tmp_path / "d.h5", sites, inputs=inputs)
+    with DumpReader(path) as dump:
+        assert len(dump) == len(sites)
+        assert dump.block_indices() == [0, 1]
+        block1 = dump.block_sites(1)
+        assert [(s.subpath, s.ordinal, s.module, s.order) for s in block1] == [
+            (None, 0, "layers.1", 6),
+            ("norm", 0, "layers.1.norm.0", 7),
+            ("attention", 0, "layers.1.attention.0", 8),
+            ("norm", 1, "layers.1.norm.1", 9),
+            ("ffn", 0, "layers.1.ffn.0", 10),
+        ]
+        assert [s.stage for s in dump.outside_sites()] == ["embed", "final_norm", "head"]
+        assert dump.block_sites(7) == []
+        got = dump.sites()
+        def ident(s):
+            return (s.key, s.module, s.call, s.order)
+
+        assert [ident(s) for s in got] == [ident(s) for s in by_start]
+        for g, w in zip(got, by_start):
+            _assert_same_tensor(g.args[0], w.args[0])
+            _assert_same_tensor(g.output, w.output)
+        assert got[0].block is None and got[0].subpath is None
+        assert got[1].block == 0 and got[1].subpath is None  # the block's own call
+        read_inputs = dump.inputs()
+        assert list(read_inputs) == ["input_ids", "attention_mask"]
+        _assert_same_tensor(read_inputs["attention_mask"], inputs["attention_mask"])
+
+
+def test_sites_without_order_keep_written_order(tmp_path):
+    sites = [_site(block=i % 3, module=f"m{i}", args=(torch.full((2,), float(i)),)) for i in range(12)]
+    with DumpReader(_write(tmp_path / "d.h5", sites)) as dump:
+        assert [s.module for s in dump.sites()] == [f"m{i}" for i in range(12)]
+        assert [s.module for s in dump.block_sites(1)] == ["m1", "m4", "m7", "m10"]
+
+
+def test_inputs_absent_is_none_and_tensor_inputs(tmp_path):
+    with DumpReader(_write(tmp_path / "a.h5", [_site(args=(torch.ones(1),))])) as dump:
+        assert dump.inputs() is None
+    ids = torch.tensor([[1, 2, 3]])
+    with DumpReader(_write(tmp_path / "b.h5", [], inputs=ids)) as dump:
+        _assert_same_tensor(dump.inputs(), ids)
+        assert dump.sites() == [] and dump.block_indices() == []
+
+
+def test_meta_round_trips_with_standard_attributes(tmp_path):
+    path = _write(tmp_path / "d.h5", [_site(args=(torch.ones(1),))])
+    with DumpReader(path) as dump:
+        meta = dump.meta
+    for key, value in META.items():
+        assert meta[key] == value
+    assert meta["format"] == "blockdiff.dump"
+    assert meta["schema_version"] == 1
+    assert meta["complete"] is True
+    assert meta["torch_version"] == torch.__version__
+    assert isinstance(meta["blockdiff_version"], str) and meta["blockdiff_version"]
+    assert meta["created"][:4].isdigit() and "T" in meta["created"]
+    assert len(meta["metadata_digest"]) == 64
+
+
+@pytest.mark.parametrize("compress", ["lzf", "gzip"])
+def test_compression_round_trips(tmp_path, compress):
+    tensors = _tensors()
+    path = _write(tmp_path / "d.h5", [_site(args=tuple(tensors.values()))], compress=compress)
+    with h5py.File(path, "r") as f:
+        dset = f["sites/000000/t0"]
+        assert dset.compression == compress
+        assert dset.fletcher32
+    with DumpReader(path) as dump:
+        (site,) = dump.sites()
+    for got, want in zip(site.args, tensors.values()):
+        _assert_same_tensor(got, want)
+
+
+def test_verify_all_counts_everything(tmp_path):
+    sites = _model_sites()
+    path = _write(tmp_path / "d.h5", sites, inputs=torch.arange(6))
+    with DumpReader(path) as dump:
+        summary = dump.verify_all()
+    assert summary.sites == len(sites)
+    assert summary.tensors == 2 * len(sites) + 1
+    assert summary.bytes == sum(s.args[0].nbytes + s.output.nbytes for s in sites) + torch.arange(6).nbytes
+
+
+# --------------------------------------------------------------------------- plain h5py
+
+
+def test_plain_h5py_reads_the_dump(tmp_path):
+    tensors = _tensors()
+    path = _write(tmp_path / "d.h5", _model_sites() + [_site(args=(tensors["bf16"],), output=tensors["f32"])])
+    # Only h5py, numpy, json and hashlib from here: what someone without blockdiff has.
+    # Strings are fixed-length UTF-8, which h5py reads as bytes.
+    def text(attrs, name):
+        return attrs[name].decode("utf-8")
+
+    with h5py.File(path, "r") as f:
+        assert text(f.attrs, "format") == "blockdiff.dump"
+        assert f.attrs["schema_version"] == 1
+        assert bool(f.attrs["complete"]) is True
+        assert text(f.attrs, "model") == META["model"]
+        assert f.attrs["layers"] == 2
+        assert json.loads(text(f.attrs, "config")) == META["config"]
+        names = list(f["sites"])
+        assert names == sorted(names) and len(names) == 14
+        embed = f["sites"][names[0]].attrs
+        assert [embed["block"]] + [text(embed, k) for k in ("stage", "subpath", "module")] == [
+            -1, "embed", "", "embed_tokens"
+        ]
+        attn = f["sites"][names[2]].attrs
+        assert [attn["block"]] + [text(attn, k) for k in ("stage", "subpath", "module")] == [
+            0, "block", "attention", "layers.0.attention.0"
+        ]
+        last = f["sites"][names[-1]]
+        structure = json.loads(text(last.attrs, "structure"))
+        ref = structure["args"]["items"][0]["ref"]
+        bf16 = last[ref]
+        assert text(bf16.attrs, "torch_dtype") == "bfloat16"
+        assert bf16.dtype == np.uint16
+        bits = bf16[()]
+        assert hashlib.sha256(bits.tobytes()).hexdigest() == text(bf16.attrs, "sha256")
+        assert np.array_equal(bits, tensors["bf16"].view(torch.int16).numpy().view(np.uint16))
+        out = last[structure["output"]["ref"]]
+        assert text(out.attrs, "torch_dtype") == "float32" and out.dtype == np.float32
+        assert np.array_equal(out[()].view(np.uint32), tensors["f32"].numpy().view(np.uint32))
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+def test_exception_inside_with_leaves_no_file(tmp_path):
+    final = tmp_path / "d.h5"
+    with pytest.raises(RuntimeError, match="boom"):
+        with DumpWriter(final, meta=META) as writer:
+            writer.add(_site(args=(torch.ones(3),)))
+            assert writer.tmp_path.exists()
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nothing_at_final_path_until_close(tmp_path):
+    final = tmp_path / "d.h5"
+    writer = DumpWriter(final, meta=META)
+    writer.add(_site(args=(torch.ones(3),)))
+    assert not final.exists() and writer.tmp_path.exists()
+    assert writer.tmp_path.parent == tmp_path and writer.tmp_path.name.startswith(".d.h5.tmp-")
+    writer.close()
+    assert final.exists() and not writer.tmp_path.exists()
+    with pytest.raises(DumpError, match="closed"):
+        writer.add(_site())
+
+
+def test_sigkilled_writer_leaves_no_file(tmp_path):
+    final = tmp_path / "d.h5"
+    script = textwrap.dedent(
+        """
+        import sys, time, torch
+        from blockdiff.dump import DumpWriter
+        from blockdiff.site import Site
+        with DumpWriter(sys.argv[1], meta={"model": "slow"}) as writer:
+            i = 0
+            while True:
+                writer.add(Site("block", i, None, f"layers.{i}", 0, 0, args=(torch.randn(64),)))
+                i += 1
+                if i == 3:
+                    print("ready", flush=True)
+                time.sleep(0.01)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", script, str(final)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        tmp = tmp_path / f".d.h5.tmp-{proc.pid}"
+        assert tmp.exists()
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    assert not final.exists()
+    # The leftover temporary file is never mistaken for a dump.
+    with pytest.raises(DumpError):
+        DumpReader(tmp).verify_all()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.fixture
+def dump_path(tmp_path) -> Path:
+    return _write(tmp_path / "d.h5", _model_sites(), inputs=torch.arange(6))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DumpError, match="no such file") as info:
+        DumpReader(tmp_path / "nope.h5")
+    assert info.value.path == str(tmp_path / "nope.h5")
+
+
+def test_not_hdf5(tmp_path):
+    path = tmp_path / "notes.h5"
+    path.write_text("just text\n" * 100)
+    with pytest.raises(DumpError, match=r"notes\.h5 is not an HDF5 file"):
+        DumpReader(path)
+
+
+def test_foreign_hdf5(tmp_path):
+    path = tmp_path / "other.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(3)
+        f.attrs["format"] = np.arange(3)  # present but not ours
+    with pytest.raises(DumpError, match=r"other\.h5 is an HDF5 file but not a blockdiff dump"):
+        DumpReader(path)
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(3)
+    with pytest.raises(DumpError, match="not a blockdiff dump"):
+        DumpReader(path)
+
+
+def test_newer_schema_version(dump_path):
+    with h5py.File(dump_path, "r+") as f:
+        f.attrs["schema_version"] = 2
+    with pytest.raises(DumpError, match="has schema version 2; this blockdiff reads up to 1: upgrade blockdiff"):
+        DumpReader(dump_path)
+
+
+def test_incomplete_file(dump_path):
+    with h5py.File(dump_path, "r+") as f:
+        del f.attrs["complete"]
+    with pytest.raises(DumpError, match=r"is incomplete \(the capture did not finish\)"):
+        DumpReader(dump_path)
+
+
+def test_truncated_file(dump_path):
+    data = dump_path.read_bytes()
+    dump_path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DumpError, match="d.h5") as info:
+        with DumpReader(dump_path) as dump:
+            dump.verify_all()
+    assert info.value.path == str(dump_path)
+
+
+def test_flipped_byte_in_tensor_data_names_the_site(dump_path):
+    with h5py.File(dump_path, "r") as f:
+        dset = f["sites/000004/t0"]  # block 0 ffn
+        offset = dset.id.get_chunk_info(0).byte_offset + 5
+    _flip_byte(dump_path, offset)
+    with DumpReader(dump_path) as dump:
+        dump.block_sites(1)  # other blocks still read
+        with pytest.raises(DumpError, match=r"d\.h5: site /sites/000004 \(block 0 ffn, layers\.0\.ffn\.0\)") as info:
+            dump.block_sites(0)
+        assert info.value.site.startswith("/sites/000004")
+        with pytest.raises(DumpError, match="/sites/000004"):
+            dump.verify_all()
+
+
+def test_changed_tensor_data_fails_digest(dump_path):
+    # Rewritten through HDF5, so fletcher32 is recomputed: only the sha256 catches it.
+    with h5py.File(dump_path, "r+") as f:
+        dset = f["sites/000003/t1"]
+        data = dset[()]
+        data[0, 0] = np.nextafter(data[0, 0], np.float32(np.inf))
+        dset[...] = data
+    with DumpReader(dump_path) as dump:
+        with pytest.raises(DumpError, match=r"site /sites/000003 .*tensor t1 digest mismatch: the file is damaged"):
+            dump.block_sites(0)
+        with pytest.raises(DumpError, match="/sites/000003"):
+            dump.verify_all()
+    with DumpReader(dump_path, verify=False) as dump:
+        assert len(dump.block_sites(0)) == 5
+
+
+def test_changed_attribute_fails_metadata_digest(dump_path):
+    with h5py.File(dump_path, "r+") as f:
+        f["sites/000002"].attrs["module"] = "layers.0.mlp"
+    with pytest.raises(DumpError, match="metadata digest mismatch: the file is damaged"):
+        DumpReader(dump_path)
+
+
+def test_flipped_byte_in_site_name_is_detected(dump_path):
+    data = dump_path.read_bytes()
+    offset = data.index(b"000004")
+    dump_path.write_bytes(data[:offset] + b"000094" + data[offset + 6 :])
+    with pytest.raises(DumpError, match="d.h5"):
+        with DumpReader(dump_path) as dump:
+            dump.verify_all()
+
+
+def test_damaged_structure_json_is_a_dump_error(dump_path):
+    with h5py.File(dump_path, "r+") as f:
+        f["sites/000001"].attrs["structure"] = '{"args": {"type": "tuple", "items": [{"type": "tensor"'
+    with pytest.raises(DumpError, match="metadata digest mismatch"):
+        DumpReader(dump_path)
+    # Even past the digest (a file re-signed by hand), bad JSON is a DumpError naming the site.
+    import blockdiff.dump as dump_module
+
+    with h5py.File(dump_path, "r+") as f:
+        del f.attrs["complete"], f.attrs["metadata_digest"]
+        f.attrs["metadata_digest"] = dump_module._metadata_digest(f)
+        f.attrs["complete"] = True
+    with DumpReader(dump_path) as dump:
+        with pytest.raises(DumpError, match=r"site /sites/000001 .*JSONDecodeError"):
+            dump.block_sites(0)
+
+
+# --------------------------------------------------------------------------- writer misuse
+
+
+def test_writer_rejects_bad_options(tmp_path):
+    with pytest.raises(DumpError, match="compress must be None, 'lzf' or 'gzip'"):
+        DumpWriter(tmp_path / "a.h5", meta={}, compress="zstd")
+    with pytest.raises(DumpError, match="meta key 'format' is reserved"):
+        DumpWriter(tmp_path / "a.h5", meta={"format": "mine"})
+    with pytest.raises(DumpError, match=r"meta\['weights'\] cannot be stored"):
+        DumpWriter(tmp_path / "a.h5", meta={"weights": object()})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_add_leaves_no_partial_site(tmp_path):
+    path = tmp_path / "d.h5"
+    with DumpWriter(path, meta=META) as writer:
+        writer.add(_site(args=(torch.ones(2),)))
+        with pytest.raises(DumpError, match="only dense tensors"):
+            writer.add(_site(block=1, args=(torch.ones(2), torch.eye(3).to_sparse())))
+        writer.add(_site(block=2, args=(torch.zeros(2),)))
+    with DumpReader(path) as dump:
+        assert dump.block_indices() == [0, 2]
+        assert dump.verify_all().tensors == 2
+
+
+def _fingerprint(path: Path) -> list:
+    """Everything a reader returns, tensors as (dtype, shape, bits)."""
+
+    def tensor(t):
+        return (str(t.dtype), tuple(t.shape), _bits(t).flatten().tolist())
+
+    with DumpReader(path) as dump:
+        out = [sorted((k, repr(v)) for k, v in dump.meta.items()), map_structure(dump.inputs(), tensor)]
+        for s in dump.sites():
+            structures = [map_structure(x, tensor) for x in (s.args, s.kwargs, s.output)]
+            out.append((s.key, s.module, s.call, s.order, *structures))
+        dump.verify_all()
+    return out
+
+
+def test_flipped_metadata_bytes_never_pass_silently(tmp_path):
+    sites = _model_sites()[:3]
+    path = _write(tmp_path / "d.h5", sites, inputs=torch.arange(4))
+    want = _fingerprint(path)
+    with h5py.File(path, "r") as f:
+        chunks = []
+        f.visititems(
+            lambda name, obj: chunks.extend(
+                (obj.id.get_chunk_info(i).byte_offset, obj.id.get_chunk_info(i).size)
+                for i in range(obj.id.get_num_chunks())
+            )
+            if isinstance(obj, h5py.Dataset)
+            else None
+        )
+    in_data = np.zeros(path.stat().st_size, dtype=bool)
+    for offset, size in chunks:
+        in_data[offset : offset + size] = True
+    metadata = np.flatnonzero(~in_data)
+    positions = metadata[:: max(1, len(metadata) // 80)]
+    original = path.read_bytes()
+    detected = 0
+    for pos in positions:
+        damaged = bytearray(original)
+        damaged[pos] ^= 0xFF
+        path.write_bytes(damaged)
+        try:
+            got = _fingerprint(path)
+        except DumpError:
+            detected += 1
+        else:
+            assert got == want, f"byte {pos} changed what the dump reads as, undetected"
+    # Most of an HDF5 file's metadata bytes matter; unused padding may flip harmlessly.
+    assert detected > len(positions) // 2

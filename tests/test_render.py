@@ -1,0 +1,143 @@
+"""The terminal pictures: the compact heatmap and the drift sparkline, with and without colour."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+import torch
+from rich.console import Console
+
+from blockdiff import diff
+from blockdiff.render import SPARKS, drift_sparkline, render, render_heatmap, sparkline
+from samples import bugs, tinylm
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ROWS = ("attention", "ffn", "norm", "residual", "whole")
+
+
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def gelu(ids):
+    return diff(tinylm.build(), bugs.gelu_for_silu(block=2), ids)
+
+
+@pytest.fixture(scope="module")
+def clean(ids):
+    return diff(tinylm.build(), tinylm.build().to(torch.bfloat16), ids)
+
+
+def plain(width: int = 120) -> Console:
+    return Console(no_color=True, width=width, file=io.StringIO())
+
+
+def output(console: Console) -> str:
+    return console.file.getvalue()
+
+
+def grid(text: str) -> dict[str, list[str]]:
+    """Heatmap rows by name: their cells, one symbol per block (all chunks joined)."""
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        name = line[2:13].strip()
+        if line.startswith("  ") and name in (*ROWS, "drift"):
+            cells = line[13:].split("   rel L2")[0]
+            rows.setdefault(name, []).extend(cells.split(" ") if " " in cells.strip() else list(cells.strip()))
+    return rows
+
+
+def test_heatmap_marks_the_blamed_block_and_subpath_with_symbols(gelu):
+    console = plain()
+    render_heatmap(gelu, console)
+    text = output(console)
+    assert not ANSI.search(text)
+    rows = grid(text)
+    assert set(rows) == {*ROWS, "drift"}
+    for name in ROWS:
+        assert len(rows[name]) == 4
+        expected = ["X" if block == 2 and name in ("ffn", "whole") else "·" for block in range(4)]
+        assert rows[name] == expected, name
+    assert "head ·" in text and "embed ·" in text
+    assert "X diverged" in text  # the legend says what the symbols mean
+
+
+def test_render_prints_heatmap_and_sparkline_after_the_first_divergence_and_keeps_the_table(gelu):
+    console = plain()
+    render(gelu, console)
+    lines = output(console).splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("First divergence"))
+    assert lines[first + 1].startswith("local error / threshold:")
+    drift = next(i for i, line in enumerate(lines) if line.startswith("  drift"))
+    table = next(i for i, line in enumerate(lines) if "1.62e-01!" in line or "e-01!" in line)
+    assert first < drift < table
+    assert drift_sparkline(gelu) in lines[drift].replace(" ", "")
+
+
+def test_forced_colour_adds_ansi_codes_and_nothing_else(gelu):
+    coloured = Console(force_terminal=True, color_system="truecolor", width=120, file=io.StringIO())
+    render_heatmap(gelu, coloured)
+    text = output(coloured)
+    assert re.search(r"\x1b\[[0-9;]*3[18][;m]", text)  # red X (and other foreground colours)
+    console = plain()
+    render_heatmap(gelu, console)
+    assert ANSI.sub("", text) == output(console)
+
+
+def test_no_color_environment_keeps_symbols_without_colour_codes(gelu, monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    console = Console(force_terminal=True, width=120, file=io.StringIO())
+    assert console.no_color
+    render_heatmap(gelu, console)
+    text = output(console)
+    assert not re.search(r"\x1b\[[0-9;]*(3[0-9]|9[0-7])[;m]", text)  # no foreground colour
+    assert grid(ANSI.sub("", text))["ffn"] == ["·", "·", "X", "·"]
+
+
+def test_clean_report_shows_no_x(clean):
+    console = plain()
+    render(clean, console)
+    rows = grid(output(console))
+    assert all(cell in ("·", "o") for name in ROWS for cell in rows[name])
+    assert "X" not in "".join(line for line in output(console).splitlines() if line.startswith("  stages"))
+
+
+def test_fast_path_and_head_bug_show_dashes_and_an_x_outside_blocks(ids):
+    report = diff(tinylm.build(), bugs.head_untied_transposed(), ids, fast_path=True)
+    console = plain()
+    render_heatmap(report, console)
+    text = output(console)
+    rows = grid(text)
+    assert all(cell == "-" for name in ("attention", "ffn", "norm", "residual") for cell in rows[name])
+    assert rows["whole"] == ["·"] * 4
+    stages = next(line for line in text.splitlines() if line.startswith("  stages"))
+    assert "head X" in stages and "final_norm ·" in stages
+
+
+def test_sparkline_is_one_bar_per_block_on_a_log_scale(gelu, ids):
+    # Drift is exactly 0 before the bug (float32, same weights), then jumps to ~6e-2.
+    assert drift_sparkline(gelu) == SPARKS[0] * 2 + SPARKS[-1] * 2
+    moe = diff(tinylm.build_moe(), bugs.moe_not_renormalized().to(torch.bfloat16), ids)
+    line = drift_sparkline(moe)
+    assert len(line) == len(moe.blocks) and SPARKS.index(line[0]) < SPARKS.index(line[1]) == len(SPARKS) - 1
+    assert sparkline([1e-4, 1e-3, 1e-2, 1e-1, 1.0]) == "▁▃▅▆█"  # four decades over bars 0, 1.75, 3.5, 5.25, 7
+    assert sparkline([0.006, 0.007, 0.008]) == "███"  # flat: no decade of spread to show
+    assert sparkline([None, float("inf"), 0.0]) == "-!▁"
+
+
+def test_many_blocks_wrap_with_every_block_once(ids):
+    candidate = tinylm.build(blocks=24)
+    candidate.blocks[17].ffn.act = torch.nn.functional.gelu  # gelu_for_silu, in a deeper model
+    report = diff(tinylm.build(blocks=24), candidate, ids[:1, :8])
+    console = plain(width=40)
+    render_heatmap(report, console)
+    text = output(console)
+    rows = grid(text)
+    assert all(len(rows[name]) == 24 for name in ROWS) and len(rows["drift"]) == 24
+    assert rows["ffn"].index("X") == 17
+    assert all(len(line) <= 40 for line in text.splitlines() if line[2:13].strip() in ROWS)
+
