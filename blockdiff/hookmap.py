@@ -47,9 +47,10 @@ class HookMap:
     subpaths: dict[str, tuple[str, ...]]
     prefix: str = ""
     description: str = ""
-    # [blocks.moe]: router path (relative to a block), router output format, and an
-    # optional capacity attribute path (an int, or a callable taking the token count).
-    moe: dict[str, str] = field(default_factory=dict)
+    # [blocks.moe]: router paths (relative to a block; the first that exists is the
+    # router), router output format, and an optional capacity attribute path relative to
+    # the MoE module (the router's parent): an int, or a callable taking the token count.
+    moe: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -172,9 +173,12 @@ def _parse_moe(raw: Any, source: str) -> dict[str, str]:
     if not raw:
         return {}
     unknown = sorted(set(raw) - {"router", "format", "capacity"})
-    if unknown or not isinstance(raw.get("router"), str):
+    routers = raw.get("router")
+    if isinstance(routers, str):
+        routers = [routers]
+    if unknown or not (isinstance(routers, list) and routers and all(isinstance(r, str) for r in routers)):
         raise HookMapError(
-            f"hook map {source}: [blocks.moe] takes router (a path), format and capacity"
+            f"hook map {source}: [blocks.moe] takes router (a path or a list of paths), format and capacity"
             + (f"; found {unknown[0]!r}" if unknown else "; router is missing"),
             source=source,
         )
@@ -184,7 +188,7 @@ def _parse_moe(raw: Any, source: str) -> dict[str, str]:
             f"hook map {source}: [blocks.moe] format {fmt!r} is unknown; expected {', '.join(FORMATS)}",
             source=source,
         )
-    out = {"router": raw["router"], "format": fmt}
+    out: dict[str, Any] = {"router": list(routers), "format": fmt}
     if "capacity" in raw:
         out["capacity"] = str(raw["capacity"])
     return out
@@ -303,11 +307,12 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
                 if paths:
                     layout.subpaths[subpath] = paths
             layout.unmapped = _unmapped(modules, block_path, layout.subpaths)
-            router = hook_map.moe and f"{block_path}.{hook_map.moe['router']}"
-            if router and router in modules:  # blocks without a router are dense
-                layout.moe = {**hook_map.moe, "router": router}
+            routers = [f"{block_path}.{r}" for r in hook_map.moe.get("router", [])]
+            router = next((r for r in routers if r in modules), None)
+            if router is not None:  # blocks without a router are dense
+                layout.moe = {"router": router, "format": hook_map.moe["format"]}
                 if "capacity" in hook_map.moe:
-                    layout.moe["capacity"] = f"{block_path}.{hook_map.moe['capacity']}"
+                    layout.moe["capacity"] = f"{router.rpartition('.')[0]}.{hook_map.moe['capacity']}"
             blocks.append(layout)
     if not blocks:
         raise HookMapError(f"hook map {hook_map.name}: the block list is empty", source=hook_map.source)

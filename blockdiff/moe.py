@@ -67,7 +67,10 @@ def decision(output: Any, fmt: str, *, capacity: int | None = None, what: str = 
         logits = logits.reshape(-1, experts)
         indices = logits.argmax(-1, keepdim=True)
         kept = dispatch.reshape(-1, experts).sum(-1, keepdim=True) > 0
-        return Decision(Routing(logits, indices, capacity=capacity, kept=kept), probs.reshape(-1, 1))
+        # Capacity counts per sequence: the dispatch is [batch, seq, E].
+        groups = dispatch.shape[0] if dispatch.dim() == 3 else 1
+        routing = Routing(logits, indices, capacity=capacity, kept=kept, groups=groups)
+        return Decision(routing, probs.reshape(-1, 1))
     raise PairingError(f"{what}: unknown router format {fmt!r}; expected one of {', '.join(FORMATS)}")
 
 

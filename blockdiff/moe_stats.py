@@ -42,12 +42,15 @@ class Routing:
             ``expert_capacity``), or ``None`` for a dropless model.
         kept: optional ``[T, k]`` bool tensor, which assignments the model's own dispatch
             kept. When given, it is the truth for the after-capacity counts and drop rates.
+        groups: how many equal, consecutive groups of tokens the capacity applies to
+            separately (SwitchTransformers counts capacity per sequence: the batch size).
     """
 
     logits: torch.Tensor
     indices: torch.Tensor
     capacity: int | None = None
     kept: torch.Tensor | None = None
+    groups: int = 1
 
 
 @dataclass
@@ -58,6 +61,7 @@ class _Checked:
     indices: torch.Tensor  # [T, k] int64
     capacity: int | None
     kept: torch.Tensor | None  # [T, k] bool
+    groups: int = 1
 
     @property
     def tokens(self) -> int:
@@ -133,11 +137,15 @@ def _check(r: Routing, label: str) -> _Checked:
                 f"found {_shape(kept)}"
             )
         kept = kept.detach().cpu()
+    groups = r.groups
+    if not isinstance(groups, int) or groups < 1 or indices.shape[0] % groups:
+        raise ValueError(f"{label}: groups must divide the {indices.shape[0]} tokens, found {groups!r}")
     return _Checked(
         logits=logits.detach().cpu().to(torch.float64),
         indices=indices,
         capacity=capacity,
         kept=kept,
+        groups=groups,
     )
 
 
@@ -208,7 +216,9 @@ def _side_stats(c: _Checked, capacity_factors: tuple[float, ...]) -> dict:
     }
 
     if c.capacity is not None:
-        simulated = _first_come_kept(c.indices, experts, c.capacity)
+        simulated = torch.cat(
+            [_first_come_kept(part, experts, c.capacity) for part in c.indices.chunk(c.groups)]
+        )
     else:
         simulated = torch.ones_like(c.indices, dtype=torch.bool)  # dropless drops nothing
     if c.kept is not None:

@@ -55,6 +55,21 @@ def build(*, arch: str = "mixtral", seed: int = 0, **overrides) -> nn.Module:
     return trained_looking_(model, seed=seed).eval()
 
 
+def build_switch(*, seed: int = 0, expert_capacity: int = 4) -> nn.Module:
+    """A tiny SwitchTransformers (top-1, 4 experts, capacity ``expert_capacity`` tokens per
+    expert and sequence); call it with ``dict(input_ids=..., decoder_input_ids=...)``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=256, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4,
+        num_experts=4, expert_capacity=expert_capacity, encoder_sparse_step=1, decoder_sparse_step=1,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0,
+    )
+    model = transformers.SwitchTransformersForConditionalGeneration(config)
+    return trained_looking_(model, seed=seed).eval()
+
+
 def build_qwen2_moe(*, seed: int = 0) -> nn.Module:
     return build(arch="qwen2_moe", seed=seed)
 

@@ -127,3 +127,53 @@ def test_hf_moe_clean_bfloat16_blames_nothing_and_reports_flips(arch, many_ids):
         for block in report.blocks:
             experts = next(c for c in block.subpaths["ffn"].checks if c.part == "experts")
             assert experts.ratio < 0.5
+
+
+@pytest.fixture
+def switch_inputs() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return dict(
+        input_ids=torch.randint(1, 256, (2, 16), generator=g),
+        decoder_input_ids=torch.randint(1, 256, (2, 8), generator=g),
+    )
+
+
+def test_switch_drop_rate_equals_what_the_model_dropped(switch_inputs):
+    """SwitchTransformers with a small expert_capacity: the reported drops are the model's
+    own, read independently here from its routers' dispatch masks."""
+    model = hf_moe.build_switch(expert_capacity=4)
+    dispatch: dict[str, torch.Tensor] = {}
+    handles = [
+        module.register_forward_hook(lambda m, a, out, name=name: dispatch.__setitem__(name, out[0].clone()))
+        for name, module in model.named_modules()
+        if type(module).__name__ == "SwitchTransformersTop1Router"
+    ]
+    with torch.no_grad():
+        model(**switch_inputs, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    report = diff(hf_moe.build_switch(expert_capacity=4), model, switch_inputs)
+    assert report.first_divergence is None
+    assert len(report.moe) == 4 and len(dispatch) == 4
+    total_dropped = 0
+    for entry in report.moe:
+        mask = dispatch[entry["router"]]  # [batch, seq, E] one-hot after capacity
+        tokens = mask.shape[0] * mask.shape[1]
+        dropped = int((mask.sum(-1) == 0).sum())
+        total_dropped += dropped
+        for side in ("reference", "candidate"):
+            stats = entry[side]
+            assert stats["capacity"] == 4 and stats["dispatch"] == "model"
+            assert stats["token_drop_rate"] == dropped / tokens
+            assert stats["assignment_drop_rate"] == dropped / tokens  # top-1
+            assert stats["counts_after"] == [int(n) for n in mask.reshape(-1, mask.shape[-1]).sum(0)]
+            # Per-sequence first-come simulation agrees with the model's dispatch.
+            assert stats["simulated_matches_model"] is True
+    assert total_dropped > 0, "capacity 4 is meant to drop tokens here"
+    assert [entry["router"].split(".")[0] for entry in report.moe] == ["encoder", "encoder", "decoder", "decoder"]
+
+
+def test_switch_clean_bfloat16_blames_nothing(switch_inputs):
+    report = diff(hf_moe.build_switch(), hf_moe.build_switch().to(torch.bfloat16), switch_inputs)
+    assert report.first_divergence is None
+    assert {b.stack for b in report.blocks} == {"encoder.block", "decoder.block"}

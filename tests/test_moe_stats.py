@@ -396,3 +396,17 @@ def test_invalid_options_raise_value_error():
         agreement(r, r, margin_bins=(0.0, 1.0, 0.5))
     with pytest.raises(ValueError, match="at least 2 edges"):
         agreement(r, r, margin_bins=(0.0,))
+
+
+def test_capacity_applies_per_group_when_asked():
+    """Two sequences of 4 tokens, all routed to expert 0, capacity 3 per sequence: each
+    sequence keeps its first 3 tokens and drops its last."""
+    logits = torch.tensor([[2.0, 0.0]] * 8)
+    indices = torch.zeros(8, 1, dtype=torch.long)
+    stats = side_stats(Routing(logits, indices, capacity=3, groups=2))
+    assert stats["counts_after"] == [6, 0]
+    assert stats["assignment_drop_rate"] == 2 / 8
+    kept = torch.tensor([[True], [True], [True], [False]] * 2)
+    assert side_stats(Routing(logits, indices, capacity=3, kept=kept, groups=2))["simulated_matches_model"] is True
+    with pytest.raises(ValueError, match="groups must divide"):
+        side_stats(Routing(logits, indices, capacity=3, groups=3))
