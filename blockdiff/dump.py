@@ -37,7 +37,7 @@ import torch
 from .errors import DumpError
 from .site import Opaque, Site, describe_key
 
-__all__ = ["DumpWriter", "DumpReader", "VerifySummary", "FORMAT", "SCHEMA_VERSION"]
+__all__ = ["DumpWriter", "DumpReader", "VerifySummary", "FORMAT", "SCHEMA_VERSION", "probe_file"]
 
 FORMAT = "blockdiff.dump"
 SCHEMA_VERSION = 1
@@ -661,6 +661,60 @@ class _Entry:
         return f"/sites/{self.name} ({describe_key(key)}, {self.module})"
 
 
+# Parses everything libhdf5 parses when blockdiff reads a dump (superblock, object headers,
+# attributes, B-trees, chunk indexes) without reading tensor data, which fletcher32 and
+# sha256 already guard. Only h5py: no torch import, so it starts in a fraction of a second.
+PROBE_SCRIPT = r"""
+import sys, h5py
+def visit(name, obj):
+    for key in obj.attrs.keys():
+        obj.attrs[key]
+    if isinstance(obj, h5py.Dataset) and obj.chunks:
+        for i in range(obj.id.get_num_chunks()):
+            obj.id.get_chunk_info(i)
+with h5py.File(sys.argv[1], "r") as f:
+    for key in f.attrs.keys():
+        f.attrs[key]
+    f.visititems(visit)
+"""
+PROBE_SECONDS = 30.0
+
+
+def probe_file(path: str | os.PathLike, *, timeout: float = PROBE_SECONDS) -> None:
+    """Open and walk a dump's structure in a subprocess with a time limit.
+
+    libhdf5 is not hardened against hostile files: a damaged one can crash the process
+    (SIGSEGV) or loop forever. The probe takes that risk in a child process; a crash or a
+    hang becomes a :class:`DumpError`. A Python-level failure is left to the in-process
+    open, which reports it precisely.
+
+    Raises:
+        DumpError: the probe was killed by a signal or ran out of time.
+    """
+    import subprocess
+    import sys
+
+    where = str(path)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", PROBE_SCRIPT, where],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise DumpError(
+            f"{where}: reading it hung inside libhdf5 (stopped after {timeout:.0f} s): the file is damaged",
+            path=where,
+        ) from None
+    if done.returncode < 0:
+        raise DumpError(
+            f"{where}: reading it crashed libhdf5 (signal {-done.returncode}): the file is damaged",
+            path=where,
+        )
+
+
 class DumpReader:
     """Reads an HDF5 dump: the read side of :class:`~blockdiff.store.SiteStore`.
 
@@ -673,13 +727,16 @@ class DumpReader:
     Args:
         path: the dump.
         verify: check every tensor's sha256 as it is read.
+        probe: parse the file's structure in a bounded subprocess first (see
+            :func:`probe_file`), so a file that crashes or hangs libhdf5 cannot take this
+            process down.
 
     >>> with DumpReader("ref.h5") as dump:                           # doctest: +SKIP
     ...     for i in dump.block_indices():
     ...         sites = dump.block_sites(i)
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True, probe: bool = True) -> None:
         self.path = Path(path)
         self.verify = verify
         self._file: h5py.File | None = None
@@ -692,6 +749,8 @@ class DumpReader:
             is_hdf5 = self.path.is_file() and h5py.is_hdf5(self.path)
         if not is_hdf5:
             raise DumpError(f"{where} is not an HDF5 file", path=where)
+        if probe:
+            probe_file(self.path)
         with self._guard("is damaged or truncated and cannot be opened as HDF5"):
             self._file = h5py.File(self.path, "r")
         try:

@@ -532,7 +532,7 @@ def _fingerprint(path: Path) -> list:
     def tensor(t):
         return (str(t.dtype), tuple(t.shape), _bits(t).flatten().tolist())
 
-    with DumpReader(path) as dump:
+    with DumpReader(path, probe=False) as dump:
         out = [sorted((k, repr(v)) for k, v in dump.meta.items()), map_structure(dump.inputs(), tensor)]
         for s in dump.sites():
             structures = [map_structure(x, tensor) for x in (s.args, s.kwargs, s.output)]
