@@ -8,6 +8,7 @@ references, of inputs and outputs.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -16,8 +17,53 @@ from torch import nn
 
 from .hookmap import Layout
 from .inputs import run_model
-from .site import Site, snapshot
+from .site import Site, map_structure
 from .store import SiteStore
+
+
+class Snapshots:
+    """Copies of live tensors for the record, each live tensor copied once.
+
+    A block's input is the previous block's output and a norm's output is the next
+    module's input: the same tensor object reaches several hooks. It is copied (detached,
+    to the CPU, in one pass) the first time and the copy is shared after, as long as the
+    object is alive and unchanged (its version counter catches in-place updates). The
+    cache holds only weak references to live tensors, so it keeps no activation alive.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        self.copies = 0
+        self.shared = 0
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        key = id(t)
+        version = _version(t)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0]() is t and version is not None and hit[1] == version:
+            self.shared += 1
+            return hit[2]
+        t_ = t.detach()
+        copy = t_.to("cpu", copy=True) if t_.device.type != "cpu" else t_.clone()
+        if version is None:  # an inference tensor has no version counter: no sharing
+            return copy
+        try:
+            ref = weakref.ref(t, lambda _, key=key: self._cache.pop(key, None))
+        except TypeError:  # not weak-referenceable: no sharing
+            return copy
+        self._cache[key] = (ref, version, copy)
+        self.copies += 1
+        return copy
+
+    def __call__(self, obj: Any) -> Any:
+        return map_structure(obj, self.tensor)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors do not track versions
+        return None
 
 
 @contextmanager
@@ -28,6 +74,7 @@ def capture(model: nn.Module, layout: Layout, store: SiteStore) -> Iterator[Site
     ...     model(ids)
     """
     modules = dict(model.named_modules())
+    snapshot = Snapshots()
     calls: dict[str, int] = {}
     ordinals: dict[tuple, int] = {}
     open_sites: dict[str, list[Site]] = {}
@@ -79,9 +126,12 @@ def capture(model: nn.Module, layout: Layout, store: SiteStore) -> Iterator[Site
 
 
 def record(model: nn.Module, layout: Layout, store: SiteStore, inputs: Any) -> Any:
-    """Run ``model`` once on ``inputs`` under inference mode, recording into ``store``.
+    """Run ``model`` once on ``inputs`` without autograd, recording into ``store``.
+
+    ``torch.no_grad`` rather than ``inference_mode``: the same cost, but tensors keep the
+    version counters that make sharing one copy between sites safe (:class:`Snapshots`).
 
     Returns the model's output.
     """
-    with capture(model, layout, store), torch.inference_mode():
+    with capture(model, layout, store), torch.no_grad():
         return run_model(model, inputs)

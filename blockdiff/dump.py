@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -150,7 +151,17 @@ def _metadata_digest(f: h5py.File) -> str:
 
     feed_attrs(f, _UNDIGESTED)
     paths: list[str] = []
-    f.visit(paths.append)
+
+    def walk(group: h5py.Group, prefix: str) -> None:
+        # Every link, not every object: a tensor shared by two sites is one dataset with
+        # two names, and both names are covered.
+        for name in group.keys():
+            path = f"{prefix}{name}"
+            paths.append(path)
+            if group.get(name, getclass=True) is h5py.Group:
+                walk(group[name], path + "/")
+
+    walk(f, "")
     for path in sorted(paths):
         obj = f[path]
         if isinstance(obj, h5py.Dataset):
@@ -252,12 +263,26 @@ def _decode_attr(value: Any) -> Any:
 # structures
 
 
+# One chunk per tensor up to this size: fewer, larger chunks write and checksum faster.
+_CHUNK_BYTES = 256 * 2**20
+
+
+def _chunks(arr: np.ndarray) -> tuple[int, ...] | bool:
+    if arr.size == 0 or arr.nbytes > _CHUNK_BYTES:
+        return True  # h5py's automatic chunk shape
+    return arr.shape
+
+
 class _Encoder:
     """Writes the tensors of one structure as datasets of ``group``; returns JSON nodes."""
 
-    def __init__(self, group: h5py.Group, compression: dict[str, Any]) -> None:
+    def __init__(self, group: h5py.Group, compression: dict[str, Any], written: dict | None = None) -> None:
         self.group = group
         self.compression = compression
+        # Tensors written by earlier sites of this dump: id -> (weak reference, dataset
+        # path). Capture shares one copy between sites (a block's output is the next
+        # block's input); such a tensor is stored once and linked from the later site.
+        self.written = {} if written is None else written
         # id(tensor) -> dataset name, so a tensor passed twice is stored once and comes
         # back as one object; the tensors are kept alive so their ids stay unique.
         self.refs: dict[int, str] = {}
@@ -319,12 +344,23 @@ class _Encoder:
         if arr.ndim == 0:
             arr = arr.reshape(1)  # HDF5 cannot chunk (or checksum) a scalar dataset
         name = f"t{len(self.refs)}"
-        dset = self.group.create_dataset(name, data=arr, chunks=True, fletcher32=True, **self.compression)
+        earlier = self.written.get(id(original))
+        if earlier is not None and earlier[0]() is original:
+            self.group[name] = self.group.file[earlier[1]]  # a hard link: same dataset
+            self.refs[id(original)] = name
+            self._alive.append(original)
+            return name
+        dset = self.group.create_dataset(name, data=arr, chunks=_chunks(arr), fletcher32=True, **self.compression)
         _set_attr(dset.attrs, "torch_dtype", _dtype_name(t.dtype))
         _set_attr(dset.attrs, "shape", json.dumps(shape))
         _set_attr(dset.attrs, "sha256", _bytes_digest(arr))
         self.refs[id(original)] = name
         self._alive.append(original)
+        try:
+            key = id(original)
+            self.written[key] = (weakref.ref(original, lambda _: self.written.pop(key, None)), dset.name)
+        except TypeError:
+            pass
         return name
 
 
@@ -454,6 +490,7 @@ class DumpWriter:
             self._compression = {"compression": "lzf", "shuffle": True}
         self.tmp_path = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self._count = 0
+        self._written: dict[int, tuple] = {}
         self._has_inputs = False
         self._meta_keys: list[str] = []
         try:
@@ -494,7 +531,7 @@ class DumpWriter:
             # Start order of the call (a block starts before its modules); the group
             # name counts completions, the order sites are written in.
             _set_attr(group.attrs, "order", int(site.order))
-            enc = _Encoder(group, self._compression)
+            enc = _Encoder(group, self._compression, self._written)
             structure = {
                 "args": enc.node(tuple(site.args)),
                 "kwargs": enc.node(dict(site.kwargs)),

@@ -206,22 +206,26 @@ class Localizer:
         call: Site,
         hidden: dict[str, torch.Tensor] | None,
         modules: dict[str, str],
-        frozen: dict[tuple[str, int], Any] | None,
+        frozen: dict[tuple[str, int], tuple[Site, Site]] | None,
         *,
         cast: torch.dtype | None,
     ) -> tuple[torch.Tensor, dict[tuple[str, int], torch.Tensor]]:
-        """Run ``block`` on ``hidden``; the output of each module in ``frozen`` (keyed by
-        (sub-path, ordinal)) is replaced by the recorded one: its primary tensor, or for a
-        router the whole routing decision. Returns the block output and the hidden input
-        that reached each module of ``modules``, keyed by (sub-path, ordinal).
+        """Run ``block`` on ``hidden`` with the modules in ``frozen`` (keyed by (sub-path,
+        ordinal)) not computed but answering with a recorded output: the first site's
+        primary tensor in the structure and dtypes of the second (the running side's own
+        recorded output), or for a router the whole routing decision. Returns the block
+        output and the hidden input that reached each module of ``modules``.
 
-        The hooks below are added to the block's modules for this one call and removed in
-        ``finally``; the replacing hook keeps the module's tuple structure.
+        For this one call, every module of ``modules`` gets a pre-hook and its ``forward``
+        is wrapped on the instance; both are undone in ``finally`` (an instance
+        ``forward`` the module already had is put back).
         """
         reached: dict[tuple[str, int], torch.Tensor] = {}
         counters: dict[str, int] = {}
         current: dict[str, tuple[str, int]] = {}
         handles = []
+        patched: list[tuple[nn.Module, Any]] = []
+        missing = object()
 
         def pre(rel: str, subpath: str) -> Callable:
             def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -236,27 +240,36 @@ class Localizer:
 
             return hook
 
-        def post(rel: str) -> Callable:
-            def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-                key = current.pop(rel)
+        def frozen_forward(rel: str, original: Callable) -> Callable:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                key = current.get(rel)
                 if frozen is None or key not in frozen:
-                    return None
+                    return original(*args, **kwargs)
+                recorded, template = frozen[key]
+                own = for_replay(template.output, device=self.device, dtype=cast)
                 if key[0] == "router":
-                    return _replace_all(output, frozen[key], self.device)
-                own = primary_tensor(output)
-                return replace_primary(output, _cast_like(primary_tensor(frozen[key]), own, self.device))
+                    return _replace_all(own, recorded.output, self.device)
+                return replace_primary(own, _cast_like(recorded.primary_output(), primary_tensor(own), self.device))
 
-            return hook
+            return forward
 
         try:
             named = dict(block.named_modules())
             for rel, subpath in modules.items():
-                handles.append(named[rel].register_forward_pre_hook(pre(rel, subpath), with_kwargs=True))
-                handles.append(named[rel].register_forward_hook(post(rel), with_kwargs=True))
+                module = named[rel]
+                handles.append(module.register_forward_pre_hook(pre(rel, subpath), with_kwargs=True))
+                if frozen:
+                    patched.append((module, module.__dict__.get("forward", missing)))
+                    module.forward = frozen_forward(rel, module.forward)
             out = self._module_output(block, call, hidden, cast=cast)
         finally:
             for handle in handles:
                 handle.remove()
+            for module, previous in reversed(patched):
+                if previous is missing:
+                    del module.forward
+                else:
+                    module.forward = previous
         return out, reached
 
     def _block_checks(
@@ -267,7 +280,7 @@ class Localizer:
         c_block: Site,
         r_sites: dict[tuple, Site],
         c_sites: dict[tuple, Site],
-        routers: dict[tuple[str, int], Any],
+        routers: dict[tuple[str, int], tuple[Site, Site]],
         *,
         frozen: bool,
     ) -> list[Check]:
@@ -277,11 +290,11 @@ class Localizer:
         ref_in, ref_out = r_block.hidden_inputs(), r_block.primary_output()
         if "primary" not in ref_in or ref_out is None:
             raise PairingError(f"{r_block.label}: no hidden input or output recorded")
-        frozen_r = dict(routers)
+        frozen_c = dict(routers)  # (reference site, candidate site): the candidate's run
         if frozen:
-            frozen_r.update({(s.subpath, s.ordinal): s.output for s in r_sites.values()})
+            frozen_c.update({(s.subpath, s.ordinal): (s, c_sites[key]) for key, s in r_sites.items()})
         out, reached = self._run_block(
-            self.cand.module(c_block.module), c_block, ref_in, _relative(c_layout), frozen_r, cast=None
+            self.cand.module(c_block.module), c_block, ref_in, _relative(c_layout), frozen_c, cast=None
         )
         label = describe_key(c_block.key)
         _check_shapes(label, "output", ref_out, out)
@@ -298,7 +311,8 @@ class Localizer:
         floors: list[float | None] = [None] * len(compared)
         if self.calibrate:
             ref_block = self._floor_module(self.ref.module(r_block.module))
-            f_out, f_reached = self._run_block(ref_block, r_block, None, _relative(r_layout), frozen_r, cast=self.dtype)
+            frozen_f = {key: (r, r) for key, (r, _) in frozen_c.items()}  # the reference's own copy
+            f_out, f_reached = self._run_block(ref_block, r_block, None, _relative(r_layout), frozen_f, cast=self.dtype)
             del ref_block
             for i, (_, _, expected, _, at) in enumerate(compared):
                 got = f_out if at is None else f_reached.get(at)
@@ -336,15 +350,15 @@ class Localizer:
 
         ref_out = r_ffn.primary_output()
         assert ref_out is not None
-        routing = {("router", 0): r_router.output}
         c_rel = c_router.module[len(c_ffn.module) + 1 :]
+        routing = {("router", 0): (r_router, c_router)}
         out, _ = self._run_block(self.cand.module(c_ffn.module), c_ffn, r_ffn.hidden_inputs(), {c_rel: "router"}, routing, cast=None)
         _check_shapes(describe_key(c_ffn.key), "output", ref_out, out)
         experts_floor = None
         if self.calibrate:
             copy_ = self._floor_module(self.ref.module(r_ffn.module))
             r_rel = r_router.module[len(r_ffn.module) + 1 :]
-            f_out, _ = self._run_block(copy_, r_ffn, None, {r_rel: "router"}, routing, cast=self.dtype)
+            f_out, _ = self._run_block(copy_, r_ffn, None, {r_rel: "router"}, {("router", 0): (r_router, r_router)}, cast=self.dtype)
             experts_floor = metrics(ref_out, f_out, dtype=self.dtype).rel_l2
         checks.append(
             Check(
@@ -421,7 +435,7 @@ class Localizer:
         moe = r_layout is not None and c_layout is not None and r_layout.moe is not None and c_layout.moe is not None
         if moe:
             _check_paired(r_routers, c_routers)
-        frozen_routing = {("router", s.ordinal): s.output for s in r_routers.values()} if moe else {}
+        frozen_routing = {("router", k[3]): (r_routers[k], c_routers[k]) for k in r_routers} if moe else {}
         block_check = None
         if c_layout is not None:
             (block_check,) = self._block_checks(
