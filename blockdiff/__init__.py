@@ -3,12 +3,22 @@ it is a bug or precision.
 
 Pipeline: hook map (:mod:`.hookmap`) → capture (:mod:`.capture`) → store
 (:mod:`.store`) → localize (:mod:`.localize`) → compare (:mod:`.compare`) →
-report (:mod:`.report`) → render (:mod:`.render`). :func:`diff` runs it all.
+report (:mod:`.report`) → render (:mod:`.render`). :func:`diff` runs it all;
+:func:`assert_no_divergence` (:mod:`.assertion`) turns it into a test verdict.
+
+The public names are loaded on first access (PEP 562): the pytest plugin
+(:mod:`.pytest_plugin`) imports this package in every pytest session, and a session
+that never uses blockdiff must not pay for importing torch and h5py.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .engine import diff  # noqa: E402
+# The errors import nothing heavy: loaded eagerly.
 from .errors import (  # noqa: E402
     BlockdiffError,
     DumpError,
@@ -19,10 +29,27 @@ from .errors import (  # noqa: E402
     PairingError,
     ShapeMismatchError,
 )
-from .hookmap import HookMap, Layout, resolve  # noqa: E402
-from .report import Report  # noqa: E402
-from .tolerance import Tolerance  # noqa: E402
-from .weights import trained_looking_  # noqa: E402
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from .assertion import DivergenceError, assert_no_divergence
+    from .engine import diff
+    from .hookmap import HookMap, Layout, resolve
+    from .report import Report
+    from .tolerance import Tolerance
+    from .weights import trained_looking_
+
+# Public name → the submodule that defines it (each imports torch).
+_LAZY = {
+    "diff": ".engine",
+    "Report": ".report",
+    "Tolerance": ".tolerance",
+    "HookMap": ".hookmap",
+    "Layout": ".hookmap",
+    "resolve": ".hookmap",
+    "trained_looking_": ".weights",
+    "assert_no_divergence": ".assertion",
+    "DivergenceError": ".assertion",
+}
 
 __all__ = [
     "__version__",
@@ -33,6 +60,8 @@ __all__ = [
     "Layout",
     "resolve",
     "trained_looking_",
+    "assert_no_divergence",
+    "DivergenceError",
     "BlockdiffError",
     "DumpError",
     "HookMapError",
@@ -42,3 +71,16 @@ __all__ = [
     "PairingError",
     "ShapeMismatchError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -131,7 +131,8 @@ def _apply(options: list) -> Callable:
 )
 @click.option("--fast/--no-fast", default=False, show_default=True, help="Skip sub-path experiments of blocks that are within tolerance as a whole.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report (blockdiff.report/1) here.")
-@click.option("--save-dumps", type=click.Path(file_okay=False), help="Keep both sides' captures as DIR/reference.h5 and DIR/candidate.h5.")
+@click.option("--save-dumps", type=click.Path(file_okay=False), help="Keep both sides' captures as DIR/reference.h5 and DIR/candidate.h5 (implies --stream).")
+@click.option("--stream", is_flag=True, help="Capture to temporary dumps and localize block by block: memory holds one block's activations.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG: local-error heatmap, drift, MoE expert loads (needs matplotlib).")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write one self-contained HTML report (the JSON embedded).")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the first-divergence line.")
@@ -156,6 +157,7 @@ def diff_command(
     fast: bool,
     json_path: str | None,
     save_dumps: str | None,
+    stream: bool,
     plot_path: str | None,
     html_path: str | None,
     quiet: bool,
@@ -245,6 +247,7 @@ def diff_command(
             capacity_factors=factors,
             labels=(reference, candidate),
             save_dumps=save_dumps,
+            stream=stream,
         )
     _emit(report, json_path=json_path, quiet=quiet, plot_path=plot_path, html_path=html_path)
 

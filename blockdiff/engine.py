@@ -7,6 +7,7 @@ arguments.
 from __future__ import annotations
 
 import datetime as _dt
+import tempfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,7 +24,7 @@ from .inputs import Inputs, check_inputs, check_vocab, digest, model_device, mod
 from .loading import parse_dtype
 from .localize import Localizer, Side, first_nonfinite, offline_drift
 from .report import Report
-from .store import MemoryStore
+from .store import BackgroundStore, MemoryStore, SiteStore
 from .tolerance import Tolerance, working_dtype
 
 
@@ -72,6 +73,7 @@ def diff(
     capacity_factors: tuple[float, ...] = (1.0, 1.25),
     labels: tuple[str | None, str | None] = (None, None),
     save_dumps: str | Path | None = None,
+    stream: bool = False,
 ) -> Report:
     """Find where ``candidate`` first diverges from ``reference`` on ``inputs``.
 
@@ -91,7 +93,11 @@ def diff(
             dropless MoE blocks.
         labels: how the report names the two models (e.g. their specs).
         save_dumps: a directory to keep both sides' captures in, as ``reference.h5`` and
-            ``candidate.h5``.
+            ``candidate.h5``; the captures stream there and localization reads them
+            back block by block.
+        stream: capture to temporary dumps and localize from them block by block, so
+            memory holds one block's activations rather than every block's (implied by
+            ``save_dumps``).
 
     Returns:
         The :class:`~blockdiff.report.Report`; ``report.first_divergence`` is ``None``
@@ -115,17 +121,28 @@ def diff(
         stack.enter_context(eval_mode(candidate))
         ref_meta = describe_side(reference, ref_layout, labels[0])
         cand_meta = describe_side(candidate, cand_layout, labels[1])
-        ref_store, cand_store = MemoryStore(ref_meta), MemoryStore(cand_meta)
-        _run("reference", record, reference, ref_layout, ref_store, inputs)
-        _run("candidate", record, candidate, cand_layout, cand_store, inputs)
-        if save_dumps is not None:
-            folder = Path(save_dumps)
+        if save_dumps is not None or stream:
+            folder = Path(save_dumps) if save_dumps is not None else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="blockdiff-")))
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise DumpError(f"cannot create {folder}: {exc.strerror or exc}", path=str(folder)) from None
-            for name, store, layout in (("reference", ref_store, ref_layout), ("candidate", cand_store, cand_layout)):
-                write_dump(store, folder / f"{name}.h5", inputs=inputs, layout=layout)
+            stores = []
+            for name, model, layout, meta in (
+                ("reference", reference, ref_layout, ref_meta),
+                ("candidate", candidate, cand_layout, cand_meta),
+            ):
+                path = folder / f"{name}.h5"
+                _stream(name, model, layout, inputs, path, _dump_meta(meta, inputs, layout))
+                # The dumps were just written by this process: no need to probe them.
+                reader = stack.enter_context(DumpReader(path, probe=False))
+                reader.meta = meta
+                stores.append(reader)
+            ref_store, cand_store = stores
+        else:
+            ref_store, cand_store = MemoryStore(ref_meta), MemoryStore(cand_meta)
+            _run("reference", record, reference, ref_layout, ref_store, inputs)
+            _run("candidate", record, candidate, cand_layout, cand_store, inputs)
         return _localize(
             Side("reference", reference, ref_layout, ref_store),
             Side("candidate", candidate, cand_layout, cand_store),
@@ -170,10 +187,10 @@ def _localize(
         stages=stages,
         blocks=blocks,
         moe=localizer.moe,
-        first_nonfinite=first_nonfinite(ref.store, cand.store),
         created=_now(),
         version=__version__,
     )
+    _nonfinite_notes(report, ref.store, cand.store)
     if tolerance.calibrated and not localizer.calibrate:
         report.notes.append(
             "calibrated tolerance needs the live reference modules, which a dump does not hold: "
@@ -183,16 +200,21 @@ def _localize(
     return report
 
 
+def _nonfinite_notes(report: Report, reference: SiteStore, candidate: SiteStore) -> None:
+    found = first_nonfinite(reference, candidate)
+    report.first_nonfinite = found.get("candidate")
+    report.reference_nonfinite = found.get("reference")
+    if report.reference_nonfinite is not None:
+        nf = report.reference_nonfinite
+        report.notes.append(
+            f"the reference itself holds {nf['nonfinite_ref']} NaN/Inf values from {nf['site']} "
+            f"({nf['module']}) on: check the inputs and the reference; comparisons there use the "
+            "finite elements"
+        )
+
+
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def write_dump(store: MemoryStore, path: str | Path, *, inputs: Inputs, layout: Layout, compress: str | None = None) -> None:
-    """Write an in-memory capture to an HDF5 dump."""
-    with DumpWriter(path, meta=_dump_meta(store.meta, inputs, layout), compress=compress) as writer:
-        writer.add_inputs(inputs)
-        for site in store.sites():
-            writer.add(site)
 
 
 def _dump_meta(side: dict[str, Any], inputs: Inputs, layout: Layout) -> dict[str, Any]:
@@ -219,9 +241,24 @@ def capture(
     if isinstance(inputs, torch.Tensor):
         check_vocab(inputs, vocab_size(model, layout), side="model")
     meta = _dump_meta(describe_side(model, layout, label), inputs, layout)
-    with eval_mode(model), DumpWriter(out, meta=meta, compress=compress) as writer:
+    with eval_mode(model):
+        _stream("captured", model, layout, inputs, out, meta, compress=compress)
+
+
+def _stream(side: str, model: nn.Module, layout: Layout, inputs: Inputs, path: str | Path, meta: dict, *, compress: str | None = None) -> None:
+    """Capture ``model`` into a dump, written by a background thread while the forward runs."""
+    with DumpWriter(path, meta=meta, compress=compress) as writer:
         writer.add_inputs(inputs)
-        _run("captured", record, model, layout, writer, inputs)
+        background = BackgroundStore(writer)
+        try:
+            _run(side, record, model, layout, background, inputs)
+        except BaseException:
+            try:
+                background.close()
+            except BaseException:
+                pass  # the capture's own error is the one to report
+            raise
+        background.close()
 
 
 def _dump_side(name: str, dump: DumpReader, label: str | None) -> Side:
@@ -320,10 +357,10 @@ def compare_dumps(
             tolerance=tolerance.to_dict(dtype),
             stages=stages,
             blocks=blocks,
-            first_nonfinite=first_nonfinite(ref_dump, cand_dump),
             created=_now(),
             version=__version__,
         )
+        _nonfinite_notes(report, ref_dump, cand_dump)
     report.notes.append(
         "offline comparison of two dumps: only drift could be computed, judged against fixed "
         "thresholds; local errors (which sub-path is wrong rather than where the error shows) "

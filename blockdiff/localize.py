@@ -596,23 +596,26 @@ def offline_drift(
     return stages, blocks
 
 
-def first_nonfinite(reference: SiteStore, candidate: SiteStore) -> dict[str, Any] | None:
-    """The first site (execution order) whose free-running candidate output holds NaN/Inf
-    that the reference's does not, with the counts."""
+def first_nonfinite(reference: SiteStore, candidate: SiteStore) -> dict[str, dict[str, Any]]:
+    """Where NaN/Inf first appear, in execution order: ``"candidate"``, the first site whose
+    free-running candidate output holds non-finite values that the reference's does not;
+    ``"reference"``, the first site whose reference output already holds some (the
+    inputs or the trusted model are broken; comparisons there use the finite elements)."""
+    found: dict[str, dict[str, Any]] = {}
     for r, c in iter_paired(reference, candidate):
         ro, co = r.primary_output(), c.primary_output()
-        if ro is None or co is None or not co.is_floating_point():
+        if ro is None or co is None:
             continue
-        bad_c = int((~torch.isfinite(co)).sum())
         bad_r = int((~torch.isfinite(ro)).sum()) if ro.is_floating_point() else 0
-        if bad_c != bad_r:
-            return {
-                "site": describe_key(c.key),
-                "module": c.module,
-                "nonfinite_cand": bad_c,
-                "nonfinite_ref": bad_r,
-            }
-    return None
+        bad_c = int((~torch.isfinite(co)).sum()) if co.is_floating_point() else 0
+        where = {"site": describe_key(c.key), "module": c.module, "nonfinite_cand": bad_c, "nonfinite_ref": bad_r}
+        if bad_r and "reference" not in found:
+            found["reference"] = {**where, "module": r.module}
+        if bad_c != bad_r and "candidate" not in found:
+            found["candidate"] = where
+        if len(found) == 2:
+            break
+    return found
 
 
 __all__ = ["Side", "Localizer", "first_nonfinite", "iter_paired", "MODULE_SUBPATHS"]

@@ -195,6 +195,7 @@ class Report:
     moe: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     first_nonfinite: dict[str, Any] | None = None
+    reference_nonfinite: dict[str, Any] | None = None
     created: str = ""
     version: str = ""
 
@@ -247,6 +248,7 @@ class Report:
             "first_divergence": None if first is None else first.to_dict(),
             "divergences": [d.to_dict() for d in self.divergences],
             "first_nonfinite": self.first_nonfinite,
+            "reference_nonfinite": self.reference_nonfinite,
             "stages": [
                 {
                     "stage": s.stage,

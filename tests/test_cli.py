@@ -46,6 +46,26 @@ def factories(tmp_path: Path) -> Path:
     (tmp_path / "missing_module.toml").write_text(
         'name = "x"\n[blocks]\npath = "blocks"\n[blocks.subpaths]\nattention = "self_attn"\n'
     )
+    (tmp_path / "empty.json").write_text("[[]]")
+    import h5py
+    import torch
+    from safetensors.torch import save_file
+
+    from blockdiff.engine import capture
+    from samples import tinylm
+
+    save_file({"ids": torch.tensor([[1, 2]])}, str(tmp_path / "wrong_key.safetensors"))
+    save_file({"input_ids": torch.zeros(1, 2, 3, dtype=torch.long)}, str(tmp_path / "ids3d.safetensors"))
+    good = tmp_path / "good.h5"
+    capture(tinylm.build(), torch.tensor([[1, 2, 3, 4]]), good)
+    (tmp_path / "truncated.h5").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    (tmp_path / "garbage.h5").write_bytes(b"\x89HDF but not really" * 10)
+    h5py.File(tmp_path / "foreign.h5", "w").close()
+    for name, attr, value in (("newer.h5", "schema_version", 2), ("incomplete.h5", "complete", False)):
+        (tmp_path / name).write_bytes(good.read_bytes())
+        with h5py.File(tmp_path / name, "r+") as f:
+            f.attrs[attr] = value
+    (tmp_path / "report.json").write_text("{not json")
     os.chdir(ROOT)
     sys.path.insert(0, str(tmp_path))
     return tmp_path
@@ -78,6 +98,22 @@ BAD_INPUTS = [
     (["diff", SAMPLE, "--json", "{tmp}/no/such/dir/report.json"], "cannot write the JSON report"),
     (["diff", SAMPLE, "--frobnicate"], "--frobnicate'. Try 'blockdiff diff --help'."),
     (["diff"], "Missing argument 'REFERENCE'"),
+    (["diff", SAMPLE, "--tokens", "{tmp}/empty.json"], "empty.json: holds no tokens"),
+    (["diff", SAMPLE, "--tokens", "{tmp}/wrong_key.safetensors"], "expected a tensor named 'input_ids', found ['ids']"),
+    (["diff", SAMPLE, "--tokens", "{tmp}/ids3d.safetensors"], "input_ids must be [batch, seq], found shape [1, 2, 3]"),
+    (["diff", "{tmp}/foreign.h5", SAMPLE], "is an HDF5 file but not a blockdiff dump"),
+    (["diff", "{tmp}/good.h5"], "a reference dump needs a CANDIDATE"),
+    (["diff", SAMPLE, "{tmp}/good.h5"], "a candidate dump needs a reference dump"),
+    (["inspect", "{tmp}/truncated.h5"], "damaged"),
+    (["inspect", "{tmp}/garbage.h5"], "is not an HDF5 file"),
+    (["inspect", "{tmp}/newer.h5"], "has schema version 2; this blockdiff reads up to 1: upgrade blockdiff"),
+    (["inspect", "{tmp}/incomplete.h5"], "is incomplete (the capture did not finish)"),
+    (["inspect", "{tmp}/absent.h5"], "absent.h5: no such file"),
+    (["export", "{tmp}/absent.h5", "{tmp}/out.safetensors"], "no such file"),
+    (["capture", SAMPLE, "--out", "{tmp}/no/such/dir/x.h5"], "cannot create the dump"),
+    (["report", "{tmp}/absent.json", "--html", "{tmp}/r.html"], "absent.json: no such file"),
+    (["report", "{tmp}/report.json", "--html", "{tmp}/r.html"], "not a JSON report"),
+    (["report", "{tmp}/report.json"], "nothing to write"),
     (["arch", "torch.nn:Linear"], "the factory raised TypeError"),
     (["arch", "torch.nn:Identity"], "no hook map matches model class Identity; write one and pass it with --hooks"),
 ]

@@ -14,6 +14,8 @@ def test_all_is_exactly_the_public_names():
             "Layout",
             "resolve",
             "trained_looking_",
+            "assert_no_divergence",
+            "DivergenceError",
             "BlockdiffError",
             "DumpError",
             "HookMapError",

@@ -214,3 +214,12 @@ def test_sigkill_mid_capture_leaves_no_file(tmp_path):
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["gelu_for_silu", "post_norm", "head_untied_transposed"])
+def test_streamed_diff_gives_the_same_report(name, ids):
+    """Captured to dumps and localized block by block from them: the same report."""
+    in_memory = diff(tinylm.build(), getattr(bugs, name)().to(torch.bfloat16), ids).to_dict()
+    streamed = diff(tinylm.build(), getattr(bugs, name)().to(torch.bfloat16), ids, stream=True).to_dict()
+    in_memory.pop("created"), streamed.pop("created")
+    assert streamed == in_memory

@@ -1,0 +1,238 @@
+"""blockdiff's overhead, measured side by side in one run.
+
+On a Llama-style model of about 58M parameters (8 blocks, hidden 512, intermediate 1376,
+vocab 32000; batch 1, seq 256, float32, CPU, 2 threads) it prints each figure as a ratio:
+
+1. capture of all sites to memory / plain forward              (goal <= 1.08)
+2. capture streamed to HDF5 / plain forward                     (goal <= 1.25)
+3. HDF5 write throughput / numpy.tofile of the same bytes       (goal >= 0.85)
+4. full diff with localization / (reference + candidate forward) (goal <= 2.5)
+5. peak RSS of a streamed diff at 8 and 32 blocks, minus weights (goal: grows by at most
+   one block's activations)
+
+and, when transformers is installed, HF's ``model_addition_debugger_context`` on the same
+model for comparison. Checksums (issue: dump integrity) are measured too: dump write and
+read throughput with sha256 + fletcher32 against the same h5py writes without them.
+
+    python benchmarks/overhead.py            # about two minutes on 2 cores
+    python benchmarks/overhead.py --quick    # smaller model, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from blockdiff import diff, resolve  # noqa: E402
+from blockdiff.capture import record  # noqa: E402
+from blockdiff.dump import DumpReader, DumpWriter  # noqa: E402
+from blockdiff.engine import capture  # noqa: E402
+from blockdiff.site import iter_tensors  # noqa: E402
+from blockdiff.store import MemoryStore  # noqa: E402
+
+
+def build(blocks: int, *, hidden: int, intermediate: int, vocab: int, seed: int = 0) -> torch.nn.Module:
+    """HF Llama when transformers is installed, else the sample at the same sizes."""
+    from blockdiff.weights import trained_looking_
+
+    try:
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=blocks,
+            num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
+        )
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(config)
+    except ImportError:
+        from samples import tinylm
+
+        model = tinylm.TinyLM(tinylm.Config(vocab_size=vocab, hidden=hidden, heads=8, kv_heads=8, intermediate=intermediate, blocks=blocks))
+    return trained_looking_(model, seed=seed).eval()
+
+
+def timed(fn, repeat: int) -> float:
+    """Median wall time of ``fn`` over ``repeat`` runs (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def forward(model, ids):
+    with torch.no_grad():
+        model(ids, use_cache=False) if hasattr(model, "config") else model(ids)
+
+
+def throughput(arrays: list[np.ndarray], folder: Path) -> dict[str, float]:
+    """Bytes per second: numpy.tofile, plain h5py, and blockdiff's DumpWriter (chunked,
+    fletcher32, sha256), all writing the same arrays."""
+    import h5py
+
+    from blockdiff.site import Site
+
+    total = sum(a.nbytes for a in arrays)
+    raw, plain, dump = folder / "raw.bin", folder / "plain.h5", folder / "dump.h5"
+
+    def write_raw():
+        with raw.open("wb") as f:
+            for a in arrays:
+                a.tofile(f)
+            f.flush()
+
+    def write_plain():
+        with h5py.File(plain, "w") as f:
+            for i, a in enumerate(arrays):
+                f.create_dataset(f"t{i}", data=a, chunks=a.shape)
+
+    sites = [Site("block", 0, "ffn", f"m{i}", 0, i, output=torch.from_numpy(a)) for i, a in enumerate(arrays)]
+
+    def write_dump():
+        with DumpWriter(dump, meta={"model": "bench"}) as w:
+            for site in sites:
+                w.add(site)
+
+    def read_dump(verify: bool):
+        with DumpReader(dump, verify=verify, probe=False) as r:
+            for s in r.iter_sites():
+                pass
+
+    def read_plain():
+        with h5py.File(plain, "r") as f:
+            for name in f:
+                f[name][()]
+
+    out = {
+        "tofile": total / timed(write_raw, 5),
+        "h5py plain": total / timed(write_plain, 5),
+        "blockdiff dump": total / timed(write_dump, 5),
+    }
+    out["read plain"] = total / timed(read_plain, 5)
+    out["read dump, verify"] = total / timed(lambda: read_dump(True), 5)
+    out["read dump, no verify"] = total / timed(lambda: read_dump(False), 5)
+    return out
+
+
+RSS_CHILD = r"""
+import json, resource, sys, torch
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/benchmarks")
+torch.set_num_threads(2)
+from overhead import build
+from blockdiff import diff
+blocks, hidden, inter, vocab, seq = map(int, sys.argv[2:7])
+ref = build(blocks, hidden=hidden, intermediate=inter, vocab=vocab)
+cand = build(blocks, hidden=hidden, intermediate=inter, vocab=vocab)
+weights = sum(p.numel() * p.element_size() for m in (ref, cand) for p in m.parameters())
+ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+diff(ref, cand, ids, stream=sys.argv[7] == "stream")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"peak": peak, "before": before, "weights": weights}))
+"""
+
+
+def peak_rss(blocks: int, sizes: dict, seq: int, mode: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD, str(ROOT), str(blocks), str(sizes["hidden"]), str(sizes["intermediate"]),
+         str(sizes["vocab"]), str(seq), mode],
+        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model, for a smoke run")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    sizes = dict(hidden=512, intermediate=1376, vocab=32000)
+    seq, repeat = 256, 5
+    if args.quick:
+        sizes, seq, repeat = dict(hidden=128, intermediate=344, vocab=4000), 64, 3
+    model = build(8, **sizes)
+    params = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, sizes["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
+    layout = resolve(model)
+    print(f"model: {type(model).__name__}, {params / 1e6:.1f}M parameters, 8 blocks, batch 1, seq {seq}, "
+          f"float32, CPU, {torch.get_num_threads()} threads")
+
+    plain = timed(lambda: forward(model, ids), repeat)
+    in_memory = timed(lambda: record(model, layout, MemoryStore(), ids), repeat)
+    with tempfile.TemporaryDirectory() as tmp:
+        streamed = timed(lambda: capture(model, ids, Path(tmp) / "c.h5"), repeat)
+        store = MemoryStore()
+        record(model, layout, store, ids)
+        arrays, seen = [], set()
+        for site in store.sites():
+            for t in iter_tensors((site.args, site.kwargs, site.output)):
+                if id(t) not in seen and t.is_floating_point():
+                    seen.add(id(t))
+                    arrays.append(t.numpy())
+        rates = throughput(arrays, Path(tmp))
+    reference, candidate = build(8, **sizes), build(8, **sizes)
+    two_forwards = timed(lambda: (forward(reference, ids), forward(candidate, ids)), repeat)
+    full = timed(lambda: diff(reference, candidate, ids), max(1, repeat // 2))
+    fast = timed(lambda: diff(reference, candidate, ids, fast_path=True), max(1, repeat // 2))
+    bf16 = candidate.to(torch.bfloat16)
+    calibrated = timed(lambda: diff(reference, bf16, ids), 1)
+    calibrated_fwd = timed(lambda: (forward(reference, ids), forward(bf16, ids)), repeat)
+
+    print(f"plain forward                             {plain * 1e3:8.1f} ms")
+    print(f"1. capture to memory / forward            {in_memory / plain:8.3f}   (goal <= 1.08)")
+    print(f"2. capture streamed to HDF5 / forward     {streamed / plain:8.3f}   (goal <= 1.25)")
+    print(f"3. HDF5 write / numpy.tofile (same bytes) {rates['blockdiff dump'] / rates['tofile']:8.3f}   (goal >= 0.85)"
+          f"   [{rates['tofile'] / 1e9:.2f} vs {rates['blockdiff dump'] / 1e9:.2f} GB/s, {sum(a.nbytes for a in arrays) / 1e6:.0f} MB]")
+    print(f"4. diff / (ref + cand forward), fp32      {full / two_forwards:8.3f}   (goal <= 2.5)   --fast: {fast / two_forwards:.3f}")
+    print(f"   diff fp32 vs bf16 (calibrated floors)   {calibrated / calibrated_fwd:8.3f}")
+    print("   checksums: write with sha256+fletcher32 vs plain h5py "
+          f"{rates['blockdiff dump'] / rates['h5py plain']:.3f}; read verified vs unverified "
+          f"{rates['read dump, verify'] / rates['read dump, no verify']:.3f}; verified read vs plain h5py "
+          f"{rates['read dump, verify'] / rates['read plain']:.3f}")
+
+    small, large = (2, 8) if args.quick else (8, 32)
+    for mode in ("stream", "memory"):
+        a, b = peak_rss(small, sizes, seq, mode), peak_rss(large, sizes, seq, mode)
+        grow = (b["peak"] - b["weights"]) - (a["peak"] - a["weights"])
+        block_acts = 1 * seq * sizes["hidden"] * 4 * 8  # ~8 hidden-sized tensors recorded per block
+        print(f"5. peak RSS minus weights, {mode:6s} diff: {small} blocks {(a['peak'] - a['weights']) / 2**20:7.0f} MiB, "
+              f"{large} blocks {(b['peak'] - b['weights']) / 2**20:7.0f} MiB; growth {grow / 2**20:6.1f} MiB "
+              f"= {grow / block_acts:5.1f} blocks' activations ({block_acts / 2**20:.1f} MiB each)")
+
+    try:
+        from transformers.model_debugging_utils import model_addition_debugger_context
+    except ImportError:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        def debugger():
+            with model_addition_debugger_context(model, debug_path=tmp, do_prune_layers=False):
+                forward(model, ids)
+
+        try:
+            hf = timed(debugger, max(1, repeat // 2))
+            print(f"   HF model_addition_debugger_context / forward {hf / plain:8.3f}")
+        except Exception as exc:  # the debugger's own requirements
+            print(f"   HF model_addition_debugger_context: not measured ({type(exc).__name__}: {exc})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""Assertions: a diff, or a replay against a golden dump, as a test verdict.
+
+The test-suite front door to the engine (the pytest plugin's fixtures call it): run
+:func:`~blockdiff.engine.diff` or :func:`~blockdiff.engine.replay`, and when a
+divergence is found raise :class:`DivergenceError`, an ``AssertionError`` whose message
+is the report for people in a fixed order: the first divergence (block, sub-path,
+module, metric against threshold) on the first line, so pytest's short summary shows it;
+then the rendered report (heatmap and table of local errors); then what to do next.
+
+Tolerances are keyword arguments: ``policy="fixed"|"calibrated"`` and one fixed
+relative-L2 threshold per sub-path or stage (``ffn=0.05``), as
+``Tolerance(policy=..., overrides=...)``; unknown names are rejected.
+
+Importing this module imports neither torch nor h5py (the pytest plugin imports it in
+every session); the engine is imported on first use.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import InputError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .hookmap import HookMap
+    from .inputs import Inputs
+    from .report import Divergence, Report
+    from .tolerance import Tolerance
+
+__all__ = [
+    "DivergenceError",
+    "assert_no_divergence",
+    "assert_matches_golden",
+    "raise_for_divergence",
+    "tolerance_from",
+    "failure_message",
+    "default_next_steps",
+    "render_text",
+    "obtained_path",
+    "golden_inputs_digest",
+]
+
+POLICY = "policy"
+# How the rendered report's closing advice, written for the CLI, begins.
+_CLI_ADVICE = "next: "
+
+
+class DivergenceError(AssertionError):
+    """A diff or a golden replay found a divergence.
+
+    Attributes:
+        report: the :class:`~blockdiff.report.Report` (``report.write_json(path)`` keeps
+            every metric).
+        golden: the golden dump replayed, for a golden check; else ``None``.
+        obtained: where the model's own capture was written, for a golden check.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        report: Report,
+        golden: Path | None = None,
+        obtained: Path | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.report = report
+        self.golden = golden
+        self.obtained = obtained
+
+    def __reduce__(self) -> tuple:
+        # The keyword-only data would be lost by BaseException's pickling (multiprocessing).
+        return (_rebuild_divergence_error, (str(self), self.report, self.golden, self.obtained))
+
+
+def _rebuild_divergence_error(
+    message: str, report: Report, golden: Path | None, obtained: Path | None
+) -> DivergenceError:
+    return DivergenceError(message, report=report, golden=golden, obtained=obtained)
+
+
+# Shown as blockdiff.DivergenceError in tracebacks and pytest's summary, where it is exported.
+DivergenceError.__module__ = "blockdiff"
+
+
+def tolerance_from(settings: Mapping[str, Any]) -> Tolerance:
+    """The :class:`~blockdiff.tolerance.Tolerance` of tolerance keyword arguments.
+
+    Args:
+        settings: ``policy`` (``"fixed"``, ``"calibrated"`` or ``None`` for blockdiff's
+            choice) and fixed relative-L2 thresholds by sub-path or stage name
+            (``attention``, ``ffn``, ``norm``, ``residual``, ``block``, ``embed``,
+            ``context``, ``final_norm``, ``head``). A ``None`` value means "not set".
+
+    Raises:
+        TypeError: a name that is neither ``policy`` nor a sub-path or stage, or a
+            threshold that is not a number.
+        InputError: an unknown policy, or a threshold that is not positive.
+
+    >>> tolerance_from({"policy": "fixed", "ffn": 0.05}).overrides
+    {'ffn': 0.05}
+    """
+    from .tolerance import TARGETS, Tolerance
+
+    unknown = [name for name in settings if name != POLICY and name not in TARGETS]
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        raise TypeError(
+            f"unknown tolerance {names}: expected policy= or a sub-path or stage name "
+            f"({', '.join(TARGETS)})"
+        )
+    overrides: dict[str, float] = {}
+    for name, value in settings.items():
+        if name == POLICY or value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"tolerance {name}= must be a number, found {value!r}")
+        overrides[name] = float(value)
+    return Tolerance(policy=settings.get(POLICY), overrides=overrides)
+
+
+def render_text(report: Report) -> str:
+    """The terminal report as plain text, 120 columns wide, without colour codes."""
+    from rich.console import Console
+
+    from .render import render
+
+    out = io.StringIO()
+    # force_terminal=False: FORCE_COLOR in the environment must not put escape codes
+    # into an exception message.
+    render(report, Console(file=out, no_color=True, width=120, force_terminal=False, highlight=False))
+    lines = [line.rstrip() for line in out.getvalue().rstrip().splitlines()]
+    # The renderer ends with the CLI's advice (`--json PATH`, ...); a test failure gives
+    # its own after the report.
+    advice = [i for i, line in enumerate(lines) if line.startswith(_CLI_ADVICE)]
+    if advice and len(lines) - advice[-1] <= 3:  # the advice line, perhaps wrapped
+        del lines[advice[-1] :]
+    return "\n".join(lines).rstrip()
+
+
+def _target(first: Divergence) -> str:
+    """The tolerance name that judges the first divergence (``ffn``, ``head``, ...)."""
+    if first.stage != "block":
+        return first.stage
+    return "block" if first.subpath == "unattributed" else str(first.subpath)
+
+
+def loosen_hint(first: Divergence) -> str | None:
+    """How to raise the threshold that judged ``first``; ``None`` for non-finite values,
+    which no threshold tolerates."""
+    nonfinite_ref, nonfinite_cand = first.check.nonfinite
+    if nonfinite_ref != nonfinite_cand:
+        return None
+    target = _target(first)
+    return (
+        f"if it is precision and not a bug, set that threshold: {target}=VALUE "
+        f"(measured {first.check.measured:.3g}) as a keyword argument or in "
+        f"@pytest.mark.blockdiff({target}=VALUE)"
+    )
+
+
+def failure_message(report: Report, *, heading: str, next_steps: Sequence[str] = ()) -> str:
+    """The message of a :class:`DivergenceError`.
+
+    Args:
+        report: a report with a divergence.
+        heading: what was compared, the line after the first divergence.
+        next_steps: what to do next, one item a line, after the rendered report.
+    """
+    first = report.first_divergence
+    assert first is not None, "failure_message needs a report with a divergence"
+    # The headline first: pytest's short summary shows the message's first line.
+    lines = [first.headline(), heading, "", render_text(report)]
+    if next_steps:
+        lines += ["", "what to do next:", *(f"  - {step}" for step in next_steps)]
+    return "\n".join(lines)
+
+
+def assert_no_divergence(
+    reference: nn.Module,
+    candidate: nn.Module,
+    inputs: Inputs,
+    *,
+    reference_hooks: HookMap | None = None,
+    candidate_hooks: HookMap | None = None,
+    fast_path: bool = False,
+    labels: tuple[str | None, str | None] = (None, None),
+    **tolerances: Any,
+) -> Report:
+    """Assert that ``candidate`` does not diverge from ``reference`` on ``inputs``.
+
+    Args:
+        reference: the trusted model.
+        candidate: the model under test (a separate object).
+        inputs: token ids, a tuple of positional arguments or a dict of keyword arguments.
+        reference_hooks, candidate_hooks, fast_path, labels: as for :func:`blockdiff.diff`.
+        **tolerances: ``policy="fixed"|"calibrated"`` and fixed relative-L2 thresholds
+            per sub-path or stage, e.g. ``ffn=0.05`` (see :func:`tolerance_from`).
+
+    Returns:
+        The report, when nothing diverged.
+
+    Raises:
+        DivergenceError: something diverged; the message is the readable report and
+            ``.report`` the report itself.
+        TypeError: an unknown tolerance name.
+
+    >>> assert_no_divergence(tinylm.build(), tinylm.build().to(torch.bfloat16), ids)  # doctest: +SKIP
+    >>> assert_no_divergence(tinylm.build(), bugs.gelu_for_silu(block=2), ids)        # doctest: +SKIP
+    Traceback (most recent call last):
+    DivergenceError: block 2 ffn (blocks.2.ffn): rel_l2 0.178 > threshold 0.0001 (1779.3x)
+    """
+    __tracebackhide__ = True
+    from .engine import diff
+
+    tolerance = tolerance_from(tolerances)
+    report = diff(
+        reference,
+        candidate,
+        inputs,
+        tolerance=tolerance,
+        reference_hooks=reference_hooks,
+        candidate_hooks=candidate_hooks,
+        fast_path=fast_path,
+        labels=labels,
+    )
+    raise_for_divergence(
+        report,
+        heading="blockdiff: the candidate first diverges from the reference there",
+        extra_steps=["keep every metric: the error's .report.write_json(PATH)"],
+    )
+    return report
+
+
+def raise_for_divergence(
+    report: Report,
+    *,
+    heading: str,
+    extra_steps: Sequence[str] = (),
+    golden: Path | None = None,
+    obtained: Path | None = None,
+) -> None:
+    """Raise :class:`DivergenceError` when ``report`` holds a divergence.
+
+    The message suggests reading the divergent module and, when the divergence is a
+    finite error, the threshold to raise if it is precision; then ``extra_steps``.
+    """
+    __tracebackhide__ = True
+    first = report.first_divergence
+    if first is None:
+        return
+    raise DivergenceError(
+        failure_message(report, heading=heading, next_steps=[*default_next_steps(report), *extra_steps]),
+        report=report,
+        golden=golden,
+        obtained=obtained,
+    )
+
+
+def default_next_steps(report: Report) -> list[str]:
+    """Read the divergent module; raise its threshold if the divergence is precision."""
+    first = report.first_divergence
+    assert first is not None
+    steps = [
+        f"read {first.module}: its local error is measured on the reference's own inputs, "
+        "so the cause is inside it, not upstream"
+    ]
+    hint = loosen_hint(first)
+    if hint is not None:
+        steps.append(hint)
+    return steps
+
+
+def _shown(path: Path, relative_to: str | Path | None) -> str:
+    if relative_to is not None:
+        try:
+            return str(Path(path).resolve().relative_to(Path(relative_to).resolve()))
+        except ValueError:
+            pass
+    return str(path)
+
+
+def obtained_path(golden: str | Path) -> Path:
+    """Where a mismatching model's capture goes: ``<name>.obtained.h5`` beside the golden.
+
+    >>> obtained_path("tests/__blockdiff__/test_model.h5").name
+    'test_model.obtained.h5'
+    """
+    golden = Path(golden)
+    return golden.with_name(golden.name.removesuffix(".h5") + ".obtained.h5")
+
+
+def golden_inputs_digest(golden: str | Path) -> str | None:
+    """The digest of the inputs a golden dump was captured on."""
+    from .dump import DumpReader
+
+    with DumpReader(golden) as dump:
+        value = dump.meta.get("inputs_digest")
+    return None if value is None else str(value)
+
+
+def assert_matches_golden(
+    golden: str | Path,
+    model: nn.Module,
+    inputs: Inputs,
+    *,
+    obtained: str | Path | None = None,
+    hooks: HookMap | None = None,
+    fast_path: bool = False,
+    extra_steps: Sequence[str] = (),
+    relative_to: str | Path | None = None,
+    verify_inputs: bool = True,
+    **tolerances: Any,
+) -> Report:
+    """Assert that ``model`` still matches the golden dump ``golden`` on ``inputs``.
+
+    The model is replayed against the dump (:func:`blockdiff.engine.replay`): block by
+    block, with sub-path verdicts, judged by fixed thresholds (a dump holds no live
+    reference modules to calibrate with). On a divergence the model is captured to
+    ``obtained`` (default ``<name>.obtained.h5`` beside the golden), so
+    ``blockdiff diff GOLDEN OBTAINED`` can compare them offline.
+
+    Args:
+        golden: an existing dump, captured with :func:`blockdiff.engine.capture`.
+        model: the model under test.
+        inputs: the inputs the golden was captured on (checked by digest).
+        obtained: where to write the model's capture on a mismatch.
+        hooks: the model's hook map; found by class name when ``None``.
+        fast_path: as for :func:`blockdiff.diff`.
+        extra_steps: what else the failure message suggests, after where the capture is.
+        relative_to: the message shows paths below this directory relative to it (where
+            the person reading it runs commands).
+        verify_inputs: check that ``inputs`` are the golden's (by digest); ``False`` when
+            the caller has checked already.
+        **tolerances: as for :func:`assert_no_divergence`.
+
+    Returns:
+        The replay's report, when nothing diverged.
+
+    Raises:
+        DivergenceError: the model diverges from the golden; ``.obtained`` is the capture.
+        InputError: ``inputs`` are not the inputs the golden was captured on.
+        DumpError: the golden is missing or damaged.
+    """
+    __tracebackhide__ = True
+    from .engine import capture, replay
+    from .inputs import check_inputs, digest
+
+    golden = Path(golden)
+    tolerance = tolerance_from(tolerances)
+    check_inputs(inputs)
+    stored, given = (golden_inputs_digest(golden), digest(inputs)) if verify_inputs else (None, None)
+    if stored != given:
+        raise InputError(
+            f"{golden} was captured on other inputs (digest {stored}) than these (digest {given}); "
+            "capture it again on these inputs"
+        )
+    report = replay(golden, model, tolerance=tolerance, candidate_hooks=hooks, fast_path=fast_path)
+    if report.first_divergence is None:
+        return report
+    obtained = obtained_path(golden) if obtained is None else Path(obtained)
+    capture(model, inputs, obtained, hooks=hooks)
+    shown_golden, shown_obtained = _shown(golden, relative_to), _shown(obtained, relative_to)
+    raise_for_divergence(
+        report,
+        heading=f"blockdiff: the model first diverges from its golden dump {shown_golden} there",
+        extra_steps=[
+            f"the model's activations are in {shown_obtained}",
+            f"compare them offline (drift only): blockdiff diff {shown_golden} {shown_obtained}",
+            f"localize again: blockdiff diff {shown_golden} MODEL",
+            *extra_steps,
+        ],
+        golden=golden,
+        obtained=obtained,
+    )
+    return report  # pragma: no cover (raise_for_divergence raised)
