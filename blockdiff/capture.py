@@ -48,7 +48,8 @@ class Snapshots:
         if version is None:  # an inference tensor has no version counter: no sharing
             return copy
         try:
-            ref = weakref.ref(t, lambda _, key=key: self._cache.pop(key, None))
+            cache = self._cache  # the callback must not hold this object
+            ref = weakref.ref(t, lambda _, key=key: cache.pop(key, None))
         except TypeError:  # not weak-referenceable: no sharing
             return copy
         self._cache[key] = (ref, version, copy)

@@ -356,9 +356,10 @@ class _Encoder:
         _set_attr(dset.attrs, "sha256", _bytes_digest(arr))
         self.refs[id(original)] = name
         self._alive.append(original)
+        written, key = self.written, id(original)
         try:
-            key = id(original)
-            self.written[key] = (weakref.ref(original, lambda _: self.written.pop(key, None)), dset.name)
+            # The callback must not hold this encoder: it keeps its tensors alive.
+            written[key] = (weakref.ref(original, lambda _: written.pop(key, None)), dset.name)
         except TypeError:
             pass
         return name
