@@ -276,9 +276,13 @@ def _chunks(arr: np.ndarray) -> tuple[int, ...] | bool:
 class _Encoder:
     """Writes the tensors of one structure as datasets of ``group``; returns JSON nodes."""
 
-    def __init__(self, group: h5py.Group, compression: dict[str, Any], written: dict | None = None) -> None:
+    def __init__(
+        self, group: h5py.Group, compression: dict[str, Any], written: dict | None = None, *, checksums: bool = True
+    ) -> None:
         self.group = group
         self.compression = compression
+        self.checksums = checksums
+        self._pending: list[tuple[h5py.Dataset, Any]] = []
         # Tensors written by earlier sites of this dump: id -> (weak reference, dataset
         # path). Capture shares one copy between sites (a block's output is the next
         # block's input); such a tensor is stored once and linked from the later site.
@@ -287,6 +291,12 @@ class _Encoder:
         # back as one object; the tensors are kept alive so their ids stay unique.
         self.refs: dict[int, str] = {}
         self._alive: list[torch.Tensor] = []
+
+    def finish(self) -> None:
+        """Store the digests computed in the background."""
+        pending, self._pending = self._pending, []
+        for dset, future in pending:
+            _set_attr(dset.attrs, "sha256", future.result())
 
     def node(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -350,10 +360,12 @@ class _Encoder:
             self.refs[id(original)] = name
             self._alive.append(original)
             return name
-        dset = self.group.create_dataset(name, data=arr, chunks=_chunks(arr), fletcher32=True, **self.compression)
+        dset = self.group.create_dataset(name, data=arr, chunks=_chunks(arr), fletcher32=self.checksums, **self.compression)
         _set_attr(dset.attrs, "torch_dtype", _dtype_name(t.dtype))
         _set_attr(dset.attrs, "shape", json.dumps(shape))
-        _set_attr(dset.attrs, "sha256", _bytes_digest(arr))
+        if self.checksums:
+            # Hashed on a worker thread while the next dataset is written; finish() sets it.
+            self._pending.append((dset, _hasher().submit(_bytes_digest, arr)))
         self.refs[id(original)] = name
         self._alive.append(original)
         written, key = self.written, id(original)
@@ -373,6 +385,14 @@ class _Decoder:
         self.verify = verify
         self.tensors: dict[str, torch.Tensor] = {}
         self.nbytes = 0
+        self._pending: list[tuple[str, Any, Any]] = []  # (ref, digest future, stored digest)
+
+    def finish(self) -> None:
+        """Wait for the digests computed in the background; a mismatch raises."""
+        pending, self._pending = self._pending, []
+        for ref, future, stored in pending:
+            if future.result() != stored:
+                raise _DigestMismatch(ref)
 
     def node(self, node: Any) -> Any:
         if not isinstance(node, dict) or "type" not in node:
@@ -427,8 +447,11 @@ class _Decoder:
             raise ValueError(f"dataset {ref} has shape {list(dset.shape)}, its shape attribute says {shape}")
         arr = dset[()]
         if self.verify:
-            if _bytes_digest(arr) != _attr(dset, "sha256"):
-                raise _DigestMismatch(ref)
+            # Hashing releases the GIL: the digest is computed on a worker thread while the
+            # next dataset is read, and checked in finish() before the site is returned.
+            if "sha256" not in dset.attrs:
+                raise ValueError(f"dataset {ref} has no sha256 (a dump written with checksums off): read it with verify=False")
+            self._pending.append((ref, _hasher().submit(_bytes_digest, arr), _attr(dset, "sha256")))
         arr = np.ascontiguousarray(arr).reshape(shape)
         if dtype in _NUMPY_NATIVE:
             t = torch.from_numpy(arr)
@@ -437,6 +460,18 @@ class _Decoder:
         self.nbytes += arr.nbytes
         self.tensors[ref] = t
         return t
+
+
+_HASHER: list = []
+
+
+def _hasher():
+    """One worker thread for sha256 checks, started on first use."""
+    if not _HASHER:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _HASHER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockdiff-sha256"))
+    return _HASHER[0]
 
 
 class _DigestMismatch(Exception):
@@ -469,13 +504,18 @@ class DumpWriter:
         meta: what the capture was (model spec, hook map, device, dtype, input digest, ...):
             str/int/float/bool values stored as attributes, lists/dicts/None as JSON.
         compress: ``None``, ``"lzf"`` or ``"gzip"`` for every tensor dataset.
+        checksums: ``False`` writes neither the fletcher32 filter nor the sha256
+            attributes, to measure what they cost (``benchmarks/overhead.py``); such a dump
+            reads only with ``verify=False``.
 
     >>> with DumpWriter("ref.h5", meta={"model": "m.py:build", "dtype": "float32"}) as w:
     ...     w.add_inputs(token_ids)                                  # doctest: +SKIP
     ...     w.add(site)                                              # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike, *, meta: dict[str, Any], compress: str | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, meta: dict[str, Any], compress: str | None = None, checksums: bool = True
+    ) -> None:
         self.path = Path(path)
         if compress not in _COMPRESSIONS:
             raise DumpError(
@@ -484,6 +524,7 @@ class DumpWriter:
         self.meta: dict[str, Any] = dict(meta)
         self._check_meta()
         self.compress = compress
+        self.checksums = checksums
         self._compression: dict[str, Any] = {}
         if compress == "gzip":
             self._compression = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
@@ -532,12 +573,13 @@ class DumpWriter:
             # Start order of the call (a block starts before its modules); the group
             # name counts completions, the order sites are written in.
             _set_attr(group.attrs, "order", int(site.order))
-            enc = _Encoder(group, self._compression, self._written)
+            enc = _Encoder(group, self._compression, self._written, checksums=self.checksums)
             structure = {
                 "args": enc.node(tuple(site.args)),
                 "kwargs": enc.node(dict(site.kwargs)),
                 "output": enc.node(site.output),
             }
+            enc.finish()
             _set_attr(group.attrs, "structure", json.dumps(structure))
         except Exception as exc:
             # Leave no half-written site behind if the caller carries on.
@@ -558,7 +600,9 @@ class DumpWriter:
             raise DumpError(f"{self.path}: inputs were already recorded", path=str(self.path))
         group = f.create_group("inputs")
         try:
-            _set_attr(group.attrs, "structure", json.dumps(_Encoder(group, self._compression).node(obj)))
+            enc = _Encoder(group, self._compression, checksums=self.checksums)
+            _set_attr(group.attrs, "structure", json.dumps(enc.node(obj)))
+            enc.finish()
         except Exception as exc:
             del f["inputs"]
             raise DumpError(
@@ -971,11 +1015,16 @@ class DumpReader:
         """Decode a structure (``whole``) or a site's ``{"args", "kwargs", "output"}``."""
         dec = _Decoder(group, verify=self.verify if verify is None else verify)
         try:
-            if whole:
-                return dec.node(structure), dec
-            if not isinstance(structure, dict) or set(structure) != {"args", "kwargs", "output"}:
-                raise ValueError("a site structure must have exactly 'args', 'kwargs' and 'output'")
-            return {k: dec.node(v) for k, v in structure.items()}, dec
+            try:
+                if whole:
+                    decoded = dec.node(structure)
+                else:
+                    if not isinstance(structure, dict) or set(structure) != {"args", "kwargs", "output"}:
+                        raise ValueError("a site structure must have exactly 'args', 'kwargs' and 'output'")
+                    decoded = {k: dec.node(v) for k, v in structure.items()}
+            finally:
+                dec.finish()  # every digest checked before anything is handed out
+            return decoded, dec
         except _DigestMismatch as exc:
             raise DumpError(
                 f"{self.path}: site {label}: tensor {exc.ref} digest mismatch: the file is damaged",

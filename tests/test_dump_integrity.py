@@ -124,3 +124,22 @@ def test_the_probe_passes_a_good_dump_and_the_reader_reads_it(small_dump):
     probe_file(small_dump)
     with DumpReader(small_dump) as reader:
         assert reader.verify_all().tensors > 0
+
+
+def test_checksums_off_writes_no_filter_and_must_be_read_unverified(tmp_path, ids):
+    import h5py
+
+    from blockdiff.dump import DumpWriter
+    from blockdiff.site import Site
+
+    path = tmp_path / "plain.h5"
+    with DumpWriter(path, meta={}, checksums=False) as writer:
+        writer.add(Site("block", 0, "ffn", "m", 0, 0, output=torch.ones(3, 4)))
+    with h5py.File(path, "r") as f:
+        dset = f["sites/000000/t0"]
+        assert not dset.fletcher32 and "sha256" not in dset.attrs
+    with DumpReader(path, verify=False) as reader:
+        assert torch.equal(reader.block_sites(0)[0].output, torch.ones(3, 4))
+    with pytest.raises(DumpError, match="checksums off"):
+        with DumpReader(path) as reader:
+            reader.block_sites(0)
