@@ -56,13 +56,21 @@ def metrics(reference: torch.Tensor, candidate: torch.Tensor, *, dtype: torch.dt
     """
     r = reference.detach().to("cpu", torch.float64)
     c = candidate.detach().to("cpu", torch.float64)
-    fin_r, fin_c = torch.isfinite(r), torch.isfinite(c)
-    nonfinite_ref = int((~fin_r).sum())
-    nonfinite_cand = int((~fin_c).sum())
     numel = r.numel()
     rtol, atol = ALLCLOSE.get(dtype or candidate.dtype, ALLCLOSE[torch.float32])
-    mismatched = int((~torch.isclose(c, r, rtol=rtol, atol=atol, equal_nan=True)).sum())
-    if nonfinite_ref or nonfinite_cand:
+    # NaN and Inf propagate into a float64 sum (which cannot overflow from float16/32/
+    # bfloat16 values): a finite sum on both sides means no element to mask.
+    if bool(torch.isfinite(r.sum())) and bool(torch.isfinite(c.sum())):
+        nonfinite_ref = nonfinite_cand = 0
+        diff = c - r
+        abs_diff = diff.abs()
+        # torch.isclose's rule, |c - r| <= atol + rtol * |r|, on the difference at hand.
+        mismatched = int((abs_diff > r.abs().mul_(rtol).add_(atol)).sum())
+    else:
+        fin_r, fin_c = torch.isfinite(r), torch.isfinite(c)
+        nonfinite_ref = int((~fin_r).sum())
+        nonfinite_cand = int((~fin_c).sum())
+        mismatched = int((~torch.isclose(c, r, rtol=rtol, atol=atol, equal_nan=True)).sum())
         same_pattern = bool(torch.equal(fin_r, fin_c)) and bool(
             torch.equal(r[~fin_r].nan_to_num(0.0, 1.0, -1.0), c[~fin_c].nan_to_num(0.0, 1.0, -1.0))
         )
@@ -70,7 +78,8 @@ def metrics(reference: torch.Tensor, candidate: torch.Tensor, *, dtype: torch.dt
             return Metrics(math.inf, math.inf, math.nan, -math.inf, nonfinite_ref, nonfinite_cand, mismatched, numel)
         # Identical non-finite pattern on both sides: compare the finite elements.
         r, c = r[fin_r], c[fin_c]
-    diff = c - r
+        diff = c - r
+        abs_diff = diff.abs()
     norm_r = float(torch.linalg.vector_norm(r))
     norm_d = float(torch.linalg.vector_norm(diff))
     norm_c = float(torch.linalg.vector_norm(c))
@@ -78,7 +87,7 @@ def metrics(reference: torch.Tensor, candidate: torch.Tensor, *, dtype: torch.dt
         rel_l2 = norm_d / norm_r
     else:
         rel_l2 = 0.0 if norm_d == 0 else math.inf
-    max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+    max_abs = float(abs_diff.max()) if abs_diff.numel() else 0.0
     if norm_r > 0 and norm_c > 0:
         cosine = float(torch.dot(r.flatten(), c.flatten()) / (norm_r * norm_c))
     else:

@@ -596,6 +596,13 @@ def offline_drift(
     return stages, blocks
 
 
+def _nonfinite(t: torch.Tensor) -> int:
+    """How many NaN/Inf ``t`` holds; one float64 sum when there are none."""
+    if not t.is_floating_point() or bool(torch.isfinite(t.sum(dtype=torch.float64))):
+        return 0
+    return int((~torch.isfinite(t)).sum())
+
+
 def first_nonfinite(reference: SiteStore, candidate: SiteStore) -> dict[str, dict[str, Any]]:
     """Where NaN/Inf first appear, in execution order: ``"candidate"``, the first site whose
     free-running candidate output holds non-finite values that the reference's does not;
@@ -606,8 +613,7 @@ def first_nonfinite(reference: SiteStore, candidate: SiteStore) -> dict[str, dic
         ro, co = r.primary_output(), c.primary_output()
         if ro is None or co is None:
             continue
-        bad_r = int((~torch.isfinite(ro)).sum()) if ro.is_floating_point() else 0
-        bad_c = int((~torch.isfinite(co)).sum()) if co.is_floating_point() else 0
+        bad_r, bad_c = _nonfinite(ro), _nonfinite(co)
         where = {"site": describe_key(c.key), "module": c.module, "nonfinite_cand": bad_c, "nonfinite_ref": bad_r}
         if bad_r and "reference" not in found:
             found["reference"] = {**where, "module": r.module}
