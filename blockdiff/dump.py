@@ -874,7 +874,6 @@ class DumpReader:
 
         entries = []
         for name, group in f["sites"].items():
-            a = group.attrs
             block = int(_attr(group, "block"))
             subpath = str(_attr(group, "subpath"))
             entries.append(

@@ -30,3 +30,16 @@ def blamed(report) -> tuple | None:
     """(stage, block, subpath) of the first divergence, or None."""
     first = report.first_divergence
     return None if first is None else (first.stage, first.block, first.subpath)
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """Exit code (0 when the command returns), stdout and stderr of one in-process CLI call."""
+    from blockdiff.cli import main
+
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exited:
+        code = exited.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -11,16 +11,10 @@ from pathlib import Path
 import pytest
 
 from blockdiff.cli import main
+from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = "samples/tinylm.py:build"
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exited:
-        main(args)
-    out, err = capsys.readouterr()
-    return exited.value.code, out, err
 
 
 def blockdiff_process(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,20 +18,9 @@ from blockdiff.dump import DumpReader
 from blockdiff.engine import capture, compare_dumps, replay
 from blockdiff.export import load_export, manifest_path
 from samples import bugs, tinylm
-from tests.conftest import blamed
+from tests.conftest import blamed, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    """Exit code (0 when the command returns), stdout and stderr of one CLI call."""
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exited:
-        code = exited.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -184,36 +171,16 @@ def test_incomplete_and_newer_dumps_are_refused(tmp_path, capsys, ids):
         assert code == 2 and message in err
 
 
-SLOW_FACTORY = """
-import time
-from samples import tinylm
-
-def build():
-    model = tinylm.build(blocks=8)
-    for block in model.blocks:
-        block.register_forward_pre_hook(lambda m, a: time.sleep(0.4))
-    return model
-"""
-
-
 def test_sigkill_mid_capture_leaves_no_file(tmp_path):
-    (tmp_path / "slow.py").write_text(SLOW_FACTORY)
-    out = tmp_path / "ref.h5"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "blockdiff.cli", "capture", "slow:build", "--out", str(out)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".ref.h5.tmp-*")):
-        assert proc.poll() is None, proc.stderr.read().decode()
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    from tests.test_hardening import start, wait_for
+
+    proc = start(["capture", "slow:build", "--out", str(tmp_path / "ref.h5")], tmp_path)
+    wait_for(".ref.h5.tmp-*", tmp_path, proc)
     time.sleep(0.5)  # some sites written
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    assert not out.exists()
+    assert not (tmp_path / "ref.h5").exists()
 
 
 @pytest.mark.parametrize("name", ["gelu_for_silu", "post_norm", "head_untied_transposed"])
