@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import click
@@ -288,6 +289,7 @@ def _emit(report, *, json_path: str | None, quiet: bool, plot_path: str | None =
     """Write the JSON report and pictures, print the report, exit 1 on divergence."""
     from .render import render
 
+    _stop_progress()
     if json_path:
         _write("JSON report", json_path, lambda: report.write_json(json_path))
     _pictures(report, plot_path=plot_path, html_path=html_path)
@@ -456,11 +458,51 @@ def arch_command(model: str, hooks_path: str | None, as_json: bool) -> None:
         render_layout(layout, model, _console())
 
 
+@contextmanager
+def _progress_bar():
+    """A transient rich progress bar on stderr for captures and localization, when stderr
+    is a terminal; nothing otherwise (pipes, CI, tests)."""
+    from .engine import PROGRESS
+
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True), transient=True,
+    )
+    tasks: dict[str, Any] = {}
+
+    def report(what: str, done: int, total: int) -> None:
+        if what not in tasks:
+            tasks[what] = bar.add_task(what, total=total)
+        bar.update(tasks[what], completed=done)
+
+    token = PROGRESS.set(report)
+    _state["bar"] = bar
+    try:
+        with bar:
+            yield
+    finally:
+        _state.pop("bar", None)
+        PROGRESS.reset(token)
+
+
+def _stop_progress() -> None:
+    """Take the progress bar off the screen before printing a report."""
+    bar = _state.get("bar")
+    if bar is not None:
+        bar.stop()
+
+
 def main(argv: list[str] | None = None) -> Any:
     """Entry point of the console script."""
     _state["debug"] = bool(os.environ.get("BLOCKDIFF_DEBUG"))  # --debug sets it per run
     try:
-        return cli.main(args=argv, prog_name="blockdiff", standalone_mode=False)
+        with _progress_bar():
+            return cli.main(args=argv, prog_name="blockdiff", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:

@@ -6,11 +6,12 @@ arguments.
 
 from __future__ import annotations
 
+import contextvars
 import datetime as _dt
 import tempfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -141,8 +142,8 @@ def diff(
             ref_store, cand_store = stores
         else:
             ref_store, cand_store = MemoryStore(ref_meta), MemoryStore(cand_meta)
-            _run("reference", record, reference, ref_layout, ref_store, inputs)
-            _run("candidate", record, candidate, cand_layout, cand_store, inputs)
+            _run("reference", _record, "reference", reference, ref_layout, ref_store, inputs)
+            _run("candidate", _record, "candidate", candidate, cand_layout, cand_store, inputs)
         return _localize(
             Side("reference", reference, ref_layout, ref_store),
             Side("candidate", candidate, cand_layout, cand_store),
@@ -178,7 +179,7 @@ def _localize(
     localizer = Localizer(ref, cand, tolerance, fast_path=fast_path, capacity_factors=capacity_factors)
     with torch.inference_mode():
         stages = _run("candidate", lambda: list(localizer.stages()))
-        blocks = _run("candidate", lambda: list(localizer.blocks()))
+        blocks = _run("candidate", lambda: _counted(localizer.blocks(), "localize", len(cand.layout.blocks)))
     report = Report(
         reference=dict(ref.store.meta),
         candidate=dict(cand.store.meta),
@@ -251,7 +252,7 @@ def _stream(side: str, model: nn.Module, layout: Layout, inputs: Inputs, path: s
         writer.add_inputs(inputs)
         background = BackgroundStore(writer)
         try:
-            _run(side, record, model, layout, background, inputs)
+            _run(side, _record, side, model, layout, background, inputs)
         except BaseException:
             try:
                 background.close()
@@ -310,7 +311,7 @@ def replay(
             check_vocab(inputs, vocab_size(candidate, cand_layout), side="candidate")
         with eval_mode(candidate):
             cand_store = MemoryStore(describe_side(candidate, cand_layout, labels[1]))
-            _run("candidate", record, candidate, cand_layout, cand_store, inputs)
+            _run("candidate", _record, "candidate", candidate, cand_layout, cand_store, inputs)
             report = _localize(
                 ref,
                 Side("candidate", candidate, cand_layout, cand_store),
@@ -367,6 +368,42 @@ def compare_dumps(
         f"need a live candidate: blockdiff diff {reference} CANDIDATE_MODEL"
     )
     return report
+
+
+# Where progress goes: a callable (what, done, total), set by the CLI around a command.
+PROGRESS: contextvars.ContextVar[Callable[[str, int, int], None] | None] = contextvars.ContextVar(
+    "blockdiff_progress", default=None
+)
+
+
+class _Counting:
+    """Passes sites on to a store and reports each finished block as progress."""
+
+    def __init__(self, store: SiteStore, what: str, total: int, report: Callable[[str, int, int], None]) -> None:
+        self.store, self.meta, self.what, self.total, self.report = store, store.meta, what, total, report
+        self.done = 0
+
+    def add(self, site) -> None:
+        self.store.add(site)
+        if site.stage == "block" and site.subpath is None:
+            self.done += 1
+            self.report(self.what, self.done, self.total)
+
+
+def _record(side: str, model: nn.Module, layout: Layout, store: SiteStore, inputs: Inputs) -> Any:
+    report = PROGRESS.get()
+    if report is not None:
+        store = _Counting(store, f"capture {side}", len(layout.blocks), report)
+    return record(model, layout, store, inputs)
+
+
+def _counted(items: Iterator, what: str, total: int) -> list:
+    report, done = PROGRESS.get(), []
+    for item in items:
+        done.append(item)
+        if report is not None:
+            report(what, len(done), total)
+    return done
 
 
 def _run(side: str, fn, *args):

@@ -216,3 +216,17 @@ def test_tokens_from_safetensors_and_tolerance_override(tmp_path, capsys):
     save_file({"input_ids": torch.zeros(2, 3)}, str(tmp_path / "float.safetensors"))
     code, _, err = run_cli(["diff", SAMPLE, "--tokens", str(tmp_path / "float.safetensors")], capsys)
     assert code == 2 and "input_ids must be integers, found torch.float32" in err
+
+
+def test_progress_is_reported_per_block(ids):
+    from blockdiff.engine import PROGRESS, diff
+    from samples import bugs, tinylm
+
+    seen = []
+    token = PROGRESS.set(lambda what, done, total: seen.append((what, done, total)))
+    try:
+        diff(tinylm.build(), bugs.gelu_for_silu(), ids)
+    finally:
+        PROGRESS.reset(token)
+    for what in ("capture reference", "capture candidate", "localize"):
+        assert [(d, t) for w, d, t in seen if w == what] == [(1, 4), (2, 4), (3, 4), (4, 4)]
