@@ -12,10 +12,10 @@ vocab 32000; batch 1, seq 256, float32, CPU, 2 threads) it prints each figure as
    with both models already built (the peak counter is reset first: Linux only)
 
 and, when transformers is installed, HF's ``model_addition_debugger_context`` on the same
-model for comparison. Checksums (issue: dump integrity) are measured too: dump write and
-read throughput with sha256 + fletcher32 against the same h5py writes without them.
+model for comparison. Dump checksums are measured too: dump write and read throughput
+with sha256 + fletcher32 against the same dump written with ``checksums=False``.
 
-    python benchmarks/overhead.py            # about two minutes on 2 cores
+    python benchmarks/overhead.py            # about four minutes on 2 cores
     python benchmarks/overhead.py --quick    # smaller model, for a smoke run
 """
 
