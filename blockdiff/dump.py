@@ -13,8 +13,8 @@ is schema v1, documented in ``docs/dump-format.md``:
 
 Tensors are stored losslessly: dtypes numpy has as themselves, the others (bfloat16,
 float8, ...) as raw bits with the torch dtype named in the ``torch_dtype`` attribute.
-Every tensor dataset is chunked with HDF5's fletcher32 filter and carries a CRC-32 of its
-bytes, checked on read. A dump is written under a temporary name and renamed only after a
+Every tensor dataset is chunked (compressed ones with HDF5's fletcher32 filter too) and
+carries a CRC-32 of its bytes, checked on read. A dump is written under a temporary name and renamed only after a
 clean close, so a file at the final path is always complete. Reading never raises
 anything but :class:`~blockdiff.errors.DumpError` for a damaged or foreign file.
 """
@@ -358,7 +358,10 @@ class _Encoder:
             self.refs[id(original)] = name
             self._alive.append(original)
             return name
-        dset = self.group.create_dataset(name, data=arr, chunks=_chunks(arr), fletcher32=self.checksums, **self.compression)
+        # fletcher32 guards compressed chunks before they reach the decompressor; raw chunks
+        # are guarded by the CRC-32 alone (a second pass over the data bought nothing).
+        fletcher32 = self.checksums and bool(self.compression)
+        dset = self.group.create_dataset(name, data=arr, chunks=_chunks(arr), fletcher32=fletcher32, **self.compression)
         _set_attr(dset.attrs, "torch_dtype", _dtype_name(t.dtype))
         _set_attr(dset.attrs, "shape", json.dumps(shape))
         if self.checksums:
@@ -480,7 +483,7 @@ class DumpWriter:
         meta: what the capture was (model spec, hook map, device, dtype, input digest, ...):
             str/int/float/bool values stored as attributes, lists/dicts/None as JSON.
         compress: ``None``, ``"lzf"`` or ``"gzip"`` for every tensor dataset.
-        checksums: ``False`` writes neither the fletcher32 filter nor the crc32
+        checksums: ``False`` writes neither the fletcher32 filter (compressed dumps) nor the crc32
             attributes, to measure what they cost (``benchmarks/overhead.py``); such a dump
             reads only with ``verify=False``.
 
