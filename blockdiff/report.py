@@ -54,6 +54,13 @@ class Check:
         return not self.measured <= self.threshold.value  # NaN counts as diverged
 
     @property
+    def tolerated(self) -> bool:
+        """Within a user's override but beyond what the policy alone allows: the error is
+        there, and explains a divergence of the whole block."""
+        t = self.threshold
+        return not self.diverged and t.default is not None and self.measured > t.default
+
+    @property
     def nonfinite(self) -> tuple[int, int]:
         """(reference, candidate) counts of NaN/Inf."""
         if self.metrics is None:
@@ -86,6 +93,9 @@ class Check:
                 "diverged": self.diverged,
             }
         )
+        if self.threshold.default is not None:
+            out["default_threshold"] = json_number(self.threshold.default)
+            out["tolerated"] = self.tolerated
         if self.details is not None:
             out["details"] = self.details
         return out
@@ -219,8 +229,10 @@ class Report:
                     found.append(
                         (result.order, Divergence("block", block.index, name, worst.module, worst, block.stack))
                     )
-            if not any_subpath and block.block is not None and block.block.diverged:
+            tolerated = any(c.tolerated for r in block.subpaths.values() for c in r.checks)
+            if not any_subpath and not tolerated and block.block is not None and block.block.diverged:
                 # The block diverges but no sub-path explains it: never pass it silently.
+                # (A sub-path the user tolerated with an override does explain it.)
                 found.append(
                     (block.order, Divergence("block", block.index, "unattributed", block.module, block.block, block.stack))
                 )

@@ -55,6 +55,8 @@ class Threshold:
     value: float
     basis: str  # "fixed", "calibrated" or "override"
     floor: float | None = None
+    # For an override: the threshold the policy would have set without it.
+    default: float | None = None
 
 
 @dataclass
@@ -110,7 +112,8 @@ class Tolerance:
     def threshold(self, target: str, dtype: torch.dtype, floor: float | None = None) -> Threshold:
         """The threshold of one site: ``target`` is its sub-path or stage name."""
         if target in self.overrides:
-            return Threshold(self.overrides[target], "override", floor)
+            default = Tolerance(self.policy, {}, self.multiplier, self.atol, self.fixed).threshold(target, dtype, floor)
+            return Threshold(self.overrides[target], "override", floor, default.value)
         if self.calibrated and floor is not None:
             mult = self.multiplier_for(dtype)
             atol = self.atol if self.atol is not None else ATOL.get(dtype, 1e-5)

@@ -100,3 +100,15 @@ def test_unattributed_when_the_hook_map_misses_a_module(ids, tmp_path):
     partial = hookmap.load(text)
     report = diff(tinylm.build(), bugs.gelu_for_silu(block=2), ids, reference_hooks=partial, candidate_hooks=partial)
     assert blamed(report) == ("block", 2, "unattributed")
+
+
+def test_a_tolerated_subpath_explains_its_block(ids):
+    """Loosening one sub-path (ffn) must not turn its error into an 'unattributed' block."""
+    candidate = bugs.gelu_for_silu(block=2)
+    report = diff(tinylm.build(), candidate, ids, tolerance=Tolerance(overrides={"ffn": 1.0}))
+    assert report.first_divergence is None
+    ffn = report.blocks[2].subpaths["ffn"].checks[0]
+    assert ffn.threshold.basis == "override" and ffn.tolerated
+    assert report.blocks[2].block.diverged  # the whole block still shows the error
+    # Without the override the ffn itself is blamed.
+    assert blamed(diff(tinylm.build(), bugs.gelu_for_silu(block=2), ids)) == ("block", 2, "ffn")
