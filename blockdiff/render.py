@@ -127,20 +127,19 @@ def render(report: Report, console: Console | None = None) -> None:
     table.add_column("whole", justify="right", no_wrap=True)
     table.add_column("drift", justify="right", no_wrap=True)
     blank = [Text("")] * len(SUBPATHS)
-    before = [s for s in report.stages if s.stage in ("embed", "context")]
-    after = [s for s in report.stages if s.stage not in ("embed", "context")]
-    for stage in before:
-        table.add_row(stage.stage, *blank, _cell(stage.local), _drift_cell(stage.drift and stage.drift.rel_l2))
-    for block in report.blocks:
-        name = f"block {block.index}" + (f" ({block.stack})" if _multi_stack(report) else "")
+    # Rows in execution order: an encoder's final norm comes before the decoder's blocks.
+    rows = [(stage.order, 0, stage) for stage in report.stages] + [(block.order, 1, block) for block in report.blocks]
+    for _, kind, item in sorted(rows, key=lambda row: (row[0], row[1])):
+        if kind == 0:
+            table.add_row(item.stage, *blank, _cell(item.local), _drift_cell(item.drift and item.drift.rel_l2))
+            continue
+        name = f"block {item.index}" + (f" ({item.stack})" if _multi_stack(report) else "")
         table.add_row(
             name,
-            *(_subpath_cell(block.subpaths.get(sp)) for sp in SUBPATHS),
-            _cell(block.block),
-            _drift_cell(block.drift and block.drift.rel_l2),
+            *(_subpath_cell(item.subpaths.get(sp)) for sp in SUBPATHS),
+            _cell(item.block),
+            _drift_cell(item.drift and item.drift.rel_l2),
         )
-    for stage in after:
-        table.add_row(stage.stage, *blank, _cell(stage.local), _drift_cell(stage.drift and stage.drift.rel_l2))
     console.print(table)
     if report.moe:
         console.print(_moe_table(report.moe))

@@ -141,3 +141,26 @@ def test_many_blocks_wrap_with_every_block_once(ids):
     assert rows["ffn"].index("X") == 17
     assert all(len(line) <= 40 for line in text.splitlines() if line[2:13].strip() in ROWS)
 
+
+
+def test_table_rows_follow_execution_order_across_stacks():
+    """An encoder-decoder's table: the encoder's final norm before the decoder's blocks."""
+    from rich.console import Console
+
+    pytest.importorskip("transformers")
+    from blockdiff import diff
+    from blockdiff.render import render
+    from samples import hf_families
+
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(input_ids=torch.randint(1, 100, (1, 8), generator=g), decoder_input_ids=torch.randint(1, 100, (1, 6), generator=g))
+    report = diff(hf_families.build(family="t5"), hf_families.build(family="t5"), inputs)
+    buffer = io.StringIO()
+    render(report, Console(file=buffer, width=140, no_color=True))
+    rows = []
+    for line in buffer.getvalue().splitlines():
+        words = line.split()
+        # Table rows carry numbers (the heatmap's rows carry symbols).
+        if words and words[0] in ("embed", "block", "final_norm", "head") and "e+" in line:
+            rows.append(" ".join(words[:2]) if words[0] == "block" else words[0])
+    assert rows == ["embed", "block 0", "block 1", "final_norm", "embed", "block 2", "block 3", "final_norm", "head"]
