@@ -27,6 +27,7 @@ import os
 import weakref
 import zlib
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -705,19 +706,18 @@ class VerifySummary:
 
 @dataclass(frozen=True)
 class _Entry:
+    """One site group in the index: its name and the site without its tensors."""
+
     name: str
-    order: int
-    stage: str
-    block: int | None
-    subpath: str | None
-    module: str
-    call: int
-    ordinal: int
+    site: Site
+
+    @property
+    def block(self) -> int | None:
+        return self.site.block
 
     @property
     def label(self) -> str:
-        key = (self.stage, self.block, self.subpath, self.ordinal)
-        return f"/sites/{self.name} ({describe_key(key)}, {self.module})"
+        return f"/sites/{self.name} ({describe_key(self.site.key)}, {self.site.module})"
 
 
 # Parses everything libhdf5 parses when blockdiff reads a dump (superblock, object headers,
@@ -853,21 +853,19 @@ class DumpReader:
         for name, group in f["sites"].items():
             block = int(_attr(group, "block"))
             subpath = str(_attr(group, "subpath"))
-            entries.append(
-                _Entry(
-                    name=name,
-                    order=int(_attr(group, "order")),
-                    stage=str(_attr(group, "stage")),
-                    block=None if block < 0 else block,
-                    subpath=subpath or None,
-                    module=str(_attr(group, "module")),
-                    call=int(_attr(group, "call")),
-                    ordinal=int(_attr(group, "ordinal")),
-                )
+            site = Site(
+                stage=str(_attr(group, "stage")),
+                block=None if block < 0 else block,
+                subpath=subpath or None,
+                module=str(_attr(group, "module")),
+                call=int(_attr(group, "call")),
+                ordinal=int(_attr(group, "ordinal")),
+                order=int(_attr(group, "order")),
             )
+            entries.append(_Entry(name, site))
         # Calls in the order they started (a block before its modules); sites written
         # without an order (all 0) keep the order they were written in.
-        entries.sort(key=lambda e: (e.order, int(e.name)))
+        entries.sort(key=lambda e: (e.site.order, int(e.name)))
         self._entries = entries
 
     # -- SiteStore (read side)
@@ -972,18 +970,7 @@ class DumpReader:
             args, kwargs, output = decoded["args"], decoded["kwargs"], decoded["output"]
             if not isinstance(args, tuple) or not isinstance(kwargs, dict):
                 raise TypeError("site args must be a tuple and kwargs a dict")
-            return Site(
-                stage=e.stage,
-                block=e.block,
-                subpath=e.subpath,
-                module=e.module,
-                call=e.call,
-                ordinal=e.ordinal,
-                args=args,
-                kwargs=kwargs,
-                output=output,
-                order=e.order,
-            )
+            return dataclasses.replace(e.site, args=args, kwargs=kwargs, output=output)
 
     def _decode(
         self, group: h5py.Group, structure: Any, label: str, *, whole: bool = False, verify: bool | None = None
