@@ -23,7 +23,7 @@ from .errors import BlockdiffError, DumpError, InputError, ModelRunError
 from .hookmap import HookMap, Layout, layout_from_dict, resolve
 from .inputs import Inputs, check_inputs, check_vocab, digest, model_device, model_dtype
 from .loading import parse_dtype
-from .localize import Localizer, Side, first_nonfinite, offline_drift
+from .localize import Localizer, NonfiniteScan, Side, offline_drift
 from .report import Report
 from .store import BackgroundStore, MemoryStore, SiteStore
 from .tolerance import Tolerance, working_dtype
@@ -191,7 +191,7 @@ def _localize(
         created=_now(),
         version=__version__,
     )
-    _nonfinite_notes(report, ref.store, cand.store)
+    _nonfinite_notes(report, localizer.nonfinite)
     if tolerance.calibrated and not localizer.calibrate:
         report.notes.append(
             "calibrated tolerance needs the live reference modules, which a dump does not hold: "
@@ -201,8 +201,8 @@ def _localize(
     return report
 
 
-def _nonfinite_notes(report: Report, reference: SiteStore, candidate: SiteStore) -> None:
-    found = first_nonfinite(reference, candidate)
+def _nonfinite_notes(report: Report, scan: NonfiniteScan) -> None:
+    found = scan.result()
     report.first_nonfinite = found.get("candidate")
     report.reference_nonfinite = found.get("reference")
     if report.reference_nonfinite is not None:
@@ -350,7 +350,8 @@ def compare_dumps(
         if tolerance.calibrated:
             tolerance = Tolerance("fixed", dict(tolerance.overrides), tolerance.multiplier, tolerance.atol, tolerance.fixed)
         dtype = working_dtype(ref.dtype, cand.dtype)
-        stages, blocks = offline_drift(ref_dump, cand_dump, tolerance, dtype)
+        scan = NonfiniteScan()
+        stages, blocks = offline_drift(ref_dump, cand_dump, tolerance, dtype, scan)
         report = Report(
             reference=dict(ref_dump.meta),
             candidate=dict(cand_dump.meta),
@@ -361,7 +362,7 @@ def compare_dumps(
             created=_now(),
             version=__version__,
         )
-        _nonfinite_notes(report, ref_dump, cand_dump)
+        _nonfinite_notes(report, scan)
     report.notes.append(
         "offline comparison of two dumps: only drift could be computed, judged against fixed "
         "thresholds; local errors (which sub-path is wrong rather than where the error shows) "

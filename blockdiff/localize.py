@@ -150,6 +150,7 @@ class Localizer:
         self.calibrate = tolerance.calibrated and reference.model is not None
         self.capacity_factors = tuple(capacity_factors)
         self.moe: list[dict[str, Any]] = []  # routing statistics, one entry per MoE block
+        self.nonfinite = NonfiniteScan()
 
     # -- single-module experiments -------------------------------------------------------
 
@@ -405,6 +406,7 @@ class Localizer:
         _check_paired(ref_sites, cand_sites)
         for key, r in sorted(ref_sites.items(), key=lambda kv: kv[1].order):
             c = cand_sites[key]
+            self.nonfinite.see(r, c)
             check = self._module_check(r.stage, r, c)
             yield StageResult(r.stage, c.module, check, _drift(r, c, self.dtype), order=r.order)
 
@@ -426,6 +428,8 @@ class Localizer:
         block_key = ("block", index, None, 0)
         if block_key not in r_all or block_key not in c_all:
             raise PairingError(f"block {index}: the block's own call was not recorded on both sides")
+        for key in r_all.keys() & c_all.keys():
+            self.nonfinite.see(r_all[key], c_all[key])
         r_block, c_block = r_all.pop(block_key), c_all.pop(block_key)
         r_routers = {k: r_all.pop(k) for k in [k for k, s in r_all.items() if s.subpath == "router"]}
         c_routers = {k: c_all.pop(k) for k in [k for k, s in c_all.items() if s.subpath == "router"]}
@@ -534,27 +538,8 @@ def _drift(r: Site, c: Site, dtype: torch.dtype) -> Metrics | None:
     return metrics(ref_out, _aligned(describe_key(c.key), "output", ref_out, cand_out), dtype=dtype)
 
 
-def iter_paired(reference: SiteStore, candidate: SiteStore) -> Iterator[tuple[Site, Site]]:
-    """Every pair of sites with the same key, in the order their outputs are produced:
-    embed and context, then per block its sub-path sites and the block itself, then the
-    final norm and head."""
-    c_out = {s.key: s for s in candidate.outside_sites()}
-    outside = [r for r in reference.outside_sites() if r.key in c_out]
-    for r in outside:
-        if r.stage in ("embed", "context"):
-            yield r, c_out[r.key]
-    for index in reference.block_indices():
-        c_block = {s.key: s for s in candidate.block_sites(index)}
-        sites = [r for r in reference.block_sites(index) if r.key in c_block]
-        for r in sorted(sites, key=lambda s: (s.subpath is None, s.order)):
-            yield r, c_block[r.key]
-    for r in outside:
-        if r.stage not in ("embed", "context"):
-            yield r, c_out[r.key]
-
-
 def offline_drift(
-    reference: SiteStore, candidate: SiteStore, tolerance: Tolerance, dtype: torch.dtype
+    reference: SiteStore, candidate: SiteStore, tolerance: Tolerance, dtype: torch.dtype, nonfinite: NonfiniteScan
 ) -> tuple[list[StageResult], list[BlockResult]]:
     """Two stored captures and no live model: every site judged on its drift alone.
 
@@ -564,6 +549,7 @@ def offline_drift(
     """
 
     def check(target: str, r: Site, c: Site) -> Check | None:
+        nonfinite.see(r, c)
         drift = _drift(r, c, dtype)
         if drift is None:
             return None
@@ -603,25 +589,44 @@ def _nonfinite(t: torch.Tensor) -> int:
     return int((~torch.isfinite(t)).sum())
 
 
-def first_nonfinite(reference: SiteStore, candidate: SiteStore) -> dict[str, dict[str, Any]]:
-    """Where NaN/Inf first appear, in execution order: ``"candidate"``, the first site whose
+class NonfiniteScan:
+    """Where NaN/Inf first appear, found while localization reads each pair of sites (no
+    second pass over the activations).
+
+    ``result()["candidate"]``: the first site, in the order outputs are produced, whose
     free-running candidate output holds non-finite values that the reference's does not;
-    ``"reference"``, the first site whose reference output already holds some (the
-    inputs or the trusted model are broken; comparisons there use the finite elements)."""
-    found: dict[str, dict[str, Any]] = {}
-    for r, c in iter_paired(reference, candidate):
+    ``result()["reference"]``: the first whose reference output already holds some (the
+    inputs or the trusted model are broken; comparisons there use the finite elements).
+    """
+
+    def __init__(self) -> None:
+        self._found: dict[str, tuple[tuple, dict[str, Any]]] = {}
+
+    def see(self, r: Site, c: Site) -> None:
         ro, co = r.primary_output(), c.primary_output()
         if ro is None or co is None:
-            continue
+            return
         bad_r, bad_c = _nonfinite(ro), _nonfinite(co)
+        if not bad_r and bad_c == bad_r:
+            return
         where = {"site": describe_key(c.key), "module": c.module, "nonfinite_cand": bad_c, "nonfinite_ref": bad_r}
-        if bad_r and "reference" not in found:
-            found["reference"] = {**where, "module": r.module}
-        if bad_c != bad_r and "candidate" not in found:
-            found["candidate"] = where
-        if len(found) == 2:
-            break
-    return found
+        # Outputs are produced embed and context first, then per block its modules before
+        # the block itself, then the final norm and the head.
+        if r.block is not None:
+            position: tuple = (1, r.block, r.subpath is None, r.order)
+        else:
+            position = (0 if r.stage in ("embed", "context") else 2, 0, False, r.order)
+        if bad_r:
+            self._keep("reference", position, {**where, "module": r.module})
+        if bad_c != bad_r:
+            self._keep("candidate", position, where)
+
+    def _keep(self, role: str, position: tuple, where: dict[str, Any]) -> None:
+        if role not in self._found or position < self._found[role][0]:
+            self._found[role] = (position, where)
+
+    def result(self) -> dict[str, dict[str, Any]]:
+        return {role: where for role, (_, where) in self._found.items()}
 
 
-__all__ = ["Side", "Localizer", "first_nonfinite", "iter_paired", "MODULE_SUBPATHS"]
+__all__ = ["Side", "Localizer", "NonfiniteScan", "offline_drift", "MODULE_SUBPATHS"]
