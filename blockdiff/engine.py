@@ -23,7 +23,7 @@ from .errors import BlockdiffError, DumpError, InputError, ModelRunError
 from .hookmap import HookMap, Layout, layout_from_dict, resolve
 from .inputs import Inputs, check_inputs, check_vocab, digest, model_device, model_dtype
 from .loading import parse_dtype
-from .localize import Localizer, NonfiniteScan, Side, offline_drift
+from .localize import Localizer, NonfiniteScan, Side, check_block_counts, offline_drift
 from .report import Report
 from .store import BackgroundStore, MemoryStore, SiteStore
 from .tolerance import Tolerance, working_dtype
@@ -113,7 +113,7 @@ def diff(
     check_inputs(inputs)
     ref_layout = resolve(reference, reference_hooks)
     cand_layout = resolve(candidate, candidate_hooks)
-    _check_block_counts(len(ref_layout.blocks), len(cand_layout.blocks))
+    check_block_counts(len(ref_layout.blocks), len(cand_layout.blocks))
     if isinstance(inputs, torch.Tensor):
         check_vocab(inputs, vocab_size(reference, ref_layout), side="reference")
         check_vocab(inputs, vocab_size(candidate, cand_layout), side="candidate")
@@ -151,14 +151,6 @@ def diff(
             tolerance,
             fast_path=fast_path,
             capacity_factors=capacity_factors,
-        )
-
-
-def _check_block_counts(reference: int, candidate: int) -> None:
-    if reference != candidate:
-        raise InputError(
-            f"the reference has {reference} blocks and the candidate {candidate}; "
-            "blockdiff compares models with the same number of blocks"
         )
 
 
@@ -306,7 +298,7 @@ def replay(
             raise DumpError(f"{reference}: the dump holds no model inputs to replay", path=str(reference))
         ref = _dump_side("reference", dump, labels[0])
         cand_layout = resolve(candidate, candidate_hooks)
-        _check_block_counts(len(ref.layout.blocks), len(cand_layout.blocks))
+        check_block_counts(len(ref.layout.blocks), len(cand_layout.blocks))
         if isinstance(inputs, torch.Tensor):
             check_vocab(inputs, vocab_size(candidate, cand_layout), side="candidate")
         with eval_mode(candidate):
@@ -339,7 +331,7 @@ def compare_dumps(
     with DumpReader(reference) as ref_dump, DumpReader(candidate) as cand_dump:
         ref = _dump_side("reference", ref_dump, labels[0])
         cand = _dump_side("candidate", cand_dump, labels[1])
-        _check_block_counts(len(ref_dump.block_indices()), len(cand_dump.block_indices()))
+        check_block_counts(len(ref_dump.block_indices()), len(cand_dump.block_indices()))
         ref_inputs, cand_inputs = ref_dump.inputs(), cand_dump.inputs()
         if ref_inputs is not None and cand_inputs is not None and digest(ref_inputs) != digest(cand_inputs):
             raise InputError(

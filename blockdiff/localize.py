@@ -413,12 +413,7 @@ class Localizer:
     def blocks(self) -> Iterator[BlockResult]:
         """One :class:`BlockResult` per block, in order; reads one block's sites at a time."""
         ref_blocks = self.ref.store.block_indices()
-        cand_blocks = self.cand.store.block_indices()
-        if len(ref_blocks) != len(cand_blocks):
-            raise PairingError(
-                f"the reference has {len(ref_blocks)} blocks and the candidate {len(cand_blocks)}; "
-                "blockdiff compares models with the same number of blocks"
-            )
+        check_block_counts(len(ref_blocks), len(self.cand.store.block_indices()))
         for index in ref_blocks:
             yield self.block(index)
 
@@ -504,6 +499,14 @@ def _capacity(side: Side, path: str | None, tokens: int) -> int | None:
     if callable(value):
         value = value(tokens)
     return None if value is None else int(value)
+
+
+def check_block_counts(reference: int, candidate: int) -> None:
+    if reference != candidate:
+        raise PairingError(
+            f"the reference has {reference} blocks and the candidate {candidate}; "
+            "blockdiff compares models with the same number of blocks"
+        )
 
 
 def _check_paired(reference: dict[tuple, Site], candidate: dict[tuple, Site]) -> None:

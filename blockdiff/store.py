@@ -7,6 +7,7 @@ file (:mod:`blockdiff.dump`) can stand in for the in-memory one.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Protocol
 
 from .site import Site
@@ -37,8 +38,7 @@ class MemoryStore:
     def add(self, site: Site) -> None:
         # Sites arrive as their calls finish (a block after its modules); keep start order.
         target = self._outside if site.block is None else self._blocks.setdefault(site.block, [])
-        target.append(site)
-        target.sort(key=lambda s: s.order)
+        bisect.insort(target, site, key=lambda s: s.order)
 
     def block_indices(self) -> list[int]:
         return sorted(self._blocks)
