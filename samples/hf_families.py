@@ -360,15 +360,26 @@ def _neox_sequential(self, hidden_states, attention_mask=None, position_ids=None
     return self.mlp(self.post_attention_layernorm(attn_output)) + attn_output
 
 
-def _falcon_residual_dropped(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
-                             use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
-    normed = self.input_layernorm(hidden_states)
-    attention_output, attn_weights = self.self_attention(
-        normed, layer_past=layer_past, attention_mask=attention_mask, position_ids=position_ids, alibi=alibi,
-        use_cache=use_cache, output_attentions=output_attentions, position_embeddings=position_embeddings,
-    )
-    mlp_output = self.mlp(normed)
-    return mlp_output + attention_output, attn_weights  # the bug: `+ residual` is missing
+def falcon_residual(scale: float):
+    """A Falcon (parallel) block forward whose residual is multiplied by ``scale`` (the
+    bug; 1.0 is the real block), adding the attention output into the MLP output in
+    place as FalconDecoderLayer does."""
+
+    def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
+                use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+        normed = self.input_layernorm(hidden_states)
+        attention_output, attn_weights = self.self_attention(
+            normed, layer_past=layer_past, attention_mask=attention_mask, position_ids=position_ids, alibi=alibi,
+            use_cache=use_cache, output_attentions=output_attentions, position_embeddings=position_embeddings,
+        )
+        mlp_output = self.mlp(normed)
+        mlp_output += attention_output
+        return mlp_output + scale * hidden_states, attn_weights
+
+    return forward
+
+
+_falcon_residual_dropped = falcon_residual(0.0)
 
 
 def _bert_output_residual_dropped(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:

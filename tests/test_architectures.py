@@ -15,10 +15,9 @@ import torch
 pytest.importorskip("transformers")
 
 from blockdiff import ModelSpecError, Tolerance, diff, resolve  # noqa: E402
-from blockdiff.cli import main  # noqa: E402
 from blockdiff.loading import build_model  # noqa: E402
 from samples import hf_families  # noqa: E402
-from tests.conftest import blamed  # noqa: E402
+from tests.conftest import blamed, run_cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = hf_families.FAMILIES
@@ -187,33 +186,14 @@ def test_falcon_blocks_return_tuples_and_norm_names_follow_the_config():
     assert resolve(new_arch).blocks[0].unmapped == []
 
 
-def _falcon_scaled_residual(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
-                            use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
-    normed = self.input_layernorm(hidden_states)
-    attention_output, attn_weights = self.self_attention(
-        normed, layer_past=layer_past, attention_mask=attention_mask, position_ids=position_ids, alibi=alibi,
-        use_cache=use_cache, output_attentions=output_attentions, position_embeddings=position_embeddings,
-    )
-    mlp_output = self.mlp(normed)
-    mlp_output += attention_output  # in place, as in FalconDecoderLayer
-    return mlp_output + 0.5 * hidden_states, attn_weights  # the bug: the residual halved
-
-
 def test_falcon_in_place_add_does_not_corrupt_frozen_outputs(ids):
     candidate = hf_families.build(family="falcon")
-    hf_families._swap_class(candidate.transformer.h[1], "HalfResidual", _falcon_scaled_residual)
+    hf_families._swap_class(candidate.transformer.h[1], "HalfResidual", hf_families.falcon_residual(0.5))
     report = diff(reference("falcon"), candidate, ids, tolerance=Tolerance(policy="calibrated"))
     assert blamed(report) == ("block", 1, "residual")
 
 
 # -- Hugging Face directories and config.json files as models -----------------------------------
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exited:
-        main(args)
-    out, err = capsys.readouterr()
-    return exited.value.code, out, err
 
 
 @pytest.fixture(scope="module")
