@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # The errors import nothing heavy: loaded eagerly.
 from .errors import (  # noqa: E402

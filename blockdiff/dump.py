@@ -28,11 +28,13 @@ import weakref
 import zlib
 from contextlib import contextmanager
 import dataclasses
+import functools
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
+import google_crc32c
 import h5py
 import numpy as np
 import torch
@@ -43,7 +45,8 @@ from .site import Opaque, Site, describe_key
 __all__ = ["DumpWriter", "DumpReader", "VerifySummary", "FORMAT", "SCHEMA_VERSION", "probe_file"]
 
 FORMAT = "blockdiff.dump"
-SCHEMA_VERSION = 1
+# 2: CRC-32C checksums (``crc32c``); 1 (blockdiff 0.1): zlib CRC-32 (``crc32``), still read.
+SCHEMA_VERSION = 2
 
 # File attributes the writer owns; ``meta`` may not use these names.
 STANDARD_ATTRIBUTES = (
@@ -117,107 +120,80 @@ def _blockdiff_version() -> str:
         return "unknown"
 
 
-def _bytes_digest(arr: np.ndarray) -> str:
-    """CRC-32 (zlib) of an array's bytes in C order, little-endian, as 8 hex digits.
-
-    A checksum against damage, beside HDF5's fletcher32 on the same chunk. zlib's CRC-32
-    runs at about 4 GB/s where sha256 runs at 1.4-1.8: with sha256 the checksums took about
-    30% of a dump's write and read throughput, with CRC-32 about 12% (benchmarks/overhead.py)."""
+def _byte_view(arr: np.ndarray) -> np.ndarray:
+    """An array's bytes in C order, little-endian (a view when it already is)."""
     arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
-    return format(zlib.crc32(arr.reshape(-1).view(np.uint8)), "08x")
+    return arr.reshape(-1).view(np.uint8)
+
+
+def _crc32c(arr: np.ndarray) -> str:
+    """CRC-32C (Castagnoli) of an array's bytes in C order, little-endian, as 8 hex digits.
+
+    The checksum of every tensor in a schema-2 dump. It catches every flip of up to three
+    bits and every burst of up to 32, and runs at 13-28 GB/s (SSE4.2 instructions, through
+    google-crc32c) where zlib's CRC-32 runs at 4: checksums cost a dump 2-5% of its write
+    and read time instead of 30% (``benchmarks/overhead.py``)."""
+    return format(google_crc32c.value(_byte_view(arr)), "08x")
+
+
+def _crc32(arr: np.ndarray) -> str:
+    """zlib's CRC-32 of the same bytes: the checksum of schema-1 dumps (blockdiff 0.1)."""
+    return format(zlib.crc32(_byte_view(arr)), "08x")
+
+
+# Checksum attribute of a tensor dataset -> how to compute it. A dump holds one kind.
+_CHECKSUMS = {"crc32c": _crc32c, "crc32": _crc32}
 
 
 # ---------------------------------------------------------------------------------------
-# metadata digest
+# attributes and the metadata digest
+#
+# Attributes go through h5py's low-level API: h5py's AttributeManager costs about twice as
+# much per attribute, and a dump has about ten attributes per site.
+
+_SCALAR = h5py.h5s.create(h5py.h5s.SCALAR)
 
 
-def _canonical(value: Any) -> bytes:
-    if isinstance(value, str):
-        return b"s" + value.encode("utf-8", "surrogatepass")
-    if isinstance(value, bytes):
-        return b"b" + value
-    arr = np.asarray(value)  # _raw_attr only lets scalar numbers through
-    return b"n" + arr.dtype.str.encode() + repr(arr.shape).encode() + arr.tobytes()
+@functools.lru_cache(maxsize=None)
+def _string_type(size: int) -> h5py.h5t.TypeID:
+    """Fixed-length, NUL-padded UTF-8: what h5py writes for ``string_dtype("utf-8", size)``."""
+    tid = h5py.h5t.C_S1.copy()
+    tid.set_size(size)
+    tid.set_cset(h5py.h5t.CSET_UTF8)
+    tid.set_strpad(h5py.h5t.STR_NULLPAD)
+    return tid
 
 
-def _metadata_digest(f: h5py.File) -> str:
-    """sha256 over every object name, kind and attribute in the file (except the two
-    written after it), so a flipped byte in a name or attribute is detected."""
-    h = hashlib.sha256()
-
-    def feed(*parts: bytes) -> None:
-        for part in parts:
-            h.update(len(part).to_bytes(8, "little"))
-            h.update(part)
-
-    def feed_attrs(obj: h5py.HLObject, skip: tuple = ()) -> None:
-        for name in sorted(obj.attrs.keys()):
-            if name not in skip:
-                feed(b"attr", name.encode("utf-8", "surrogatepass"), _canonical(_raw_attr(obj, name)))
-
-    feed_attrs(f, _UNDIGESTED)
-    paths: list[str] = []
-
-    def walk(group: h5py.Group, prefix: str) -> None:
-        # Every link, not every object: a tensor shared by two sites is one dataset with
-        # two names, and both names are covered.
-        for name in group.keys():
-            path = f"{prefix}{name}"
-            paths.append(path)
-            if group.get(name, getclass=True) is h5py.Group:
-                walk(group[name], path + "/")
-
-    walk(f, "")
-    for path in sorted(paths):
-        obj = f[path]
-        if isinstance(obj, h5py.Dataset):
-            feed(b"dataset", path.encode("utf-8", "surrogatepass"))
-            feed(obj.dtype.str.encode(), repr(obj.shape).encode())
-        else:
-            feed(b"group", path.encode("utf-8", "surrogatepass"))
-        feed_attrs(obj)
-    return h.hexdigest()
-
-
-# ---------------------------------------------------------------------------------------
-# file attributes
-
-
-def _set_attr(attrs: h5py.AttributeManager, name: str, value: Any) -> None:
-    """Write one attribute; strings as fixed-length UTF-8.
+def _set_attr(obj: h5py.HLObject, name: str, value: Any) -> Any:
+    """Write one scalar attribute; strings as fixed-length UTF-8.
 
     Variable-length strings live in HDF5's global heap, which has no checksum: a flipped
     byte there can hang libhdf5 on read. Fixed-length strings sit inside the (checksummed)
     object header. h5py reads them back as ``bytes``.
+
+    Returns:
+        the value as a reader gets it back (``bytes`` for a string, a numpy scalar for a
+        number), which is what the metadata digest covers.
     """
+    key = name.encode("utf-8")
     if isinstance(value, str):
         data = value.encode("utf-8")
         if b"\0" in data:
             raise ValueError(f"attribute {name!r}: strings in a dump cannot contain NUL characters")
-        attrs.create(name, data=np.array(data, dtype=h5py.string_dtype("utf-8", max(len(data), 1))))
+        size = max(len(data), 1)
+        tid = _string_type(size)
+        h5py.h5a.create(obj.id, key, tid, _SCALAR).write(np.array(data, dtype=f"S{size}"), mtype=tid)
+        return data
+    if isinstance(value, (bool, np.bool_)):
+        arr = np.array(value, dtype=np.bool_)
+    elif isinstance(value, (int, np.integer)):
+        arr = np.array(value, dtype=np.int64)
+    elif isinstance(value, (float, np.floating)):
+        arr = np.array(value, dtype=np.float64)
     else:
-        attrs[name] = value
-
-
-def _encode_attr(key: str, value: Any) -> tuple[Any, bool]:
-    """A meta value as stored: ``(value, is_json)``."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, (torch.dtype, torch.device)):
-        value = _dtype_name(value) if isinstance(value, torch.dtype) else str(value)
-    if isinstance(value, str) and "\0" not in value:
-        return value, False
-    if isinstance(value, (bool, float)):
-        return value, False
-    if isinstance(value, int) and -(2**63) <= value < 2**63:
-        return value, False
-    try:
-        return json.dumps(value, sort_keys=False), True
-    except (TypeError, ValueError) as exc:
-        raise DumpError(
-            f"meta[{key!r}] cannot be stored in a dump: expected str, int, float, bool or "
-            f"JSON-serializable lists/dicts, got {type(value).__name__} ({exc})"
-        ) from exc
+        raise TypeError(f"attribute {name!r}: cannot store a {type(value).__name__}")
+    h5py.h5a.create(obj.id, key, h5py.h5t.py_create(arr.dtype), _SCALAR).write(arr)
+    return arr[()]
 
 
 _ATTR_CLASSES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.STRING, h5py.h5t.ENUM)
@@ -242,12 +218,19 @@ def _raw_attr(obj: h5py.HLObject, name: str) -> Any:
         size, variable = tid.get_size(), tid.is_variable_str()
         if (variable and size != 8) or (not variable and size > 1 << 26):
             raise ValueError(f"attribute {name!r} has a damaged string type")
-    elif cls == h5py.h5t.ENUM:
+        if variable:
+            return obj.attrs[name]
+        out = np.empty((), dtype=f"S{size}")
+        aid.read(out, mtype=tid)
+        return out[()]
+    if cls == h5py.h5t.ENUM:
         if tid.get_size() != 1 or tid.get_nmembers() != 2:
             raise ValueError(f"attribute {name!r} has a damaged boolean type")
     elif tid.get_size() not in (1, 2, 4, 8):
         raise ValueError(f"attribute {name!r} has a damaged numeric type")
-    return obj.attrs[name]
+    out = np.empty((), dtype=tid.dtype)
+    aid.read(out)
+    return out[()]
 
 
 def _attr(obj: h5py.HLObject, name: str) -> Any:
@@ -263,6 +246,109 @@ def _decode_attr(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.tolist()
     return value
+
+
+@dataclass
+class _Object:
+    """One link of a dump as the metadata digest sees it: a group, or a dataset with its
+    dtype and shape, and its attributes as read back (see :func:`_set_attr`)."""
+
+    kind: str  # "group" or "dataset"
+    attrs: dict[str, Any]
+    dtype: str = ""
+    shape: tuple = ()
+
+
+def _canonical(value: Any) -> bytes:
+    if isinstance(value, str):
+        return b"s" + value.encode("utf-8", "surrogatepass")
+    if isinstance(value, bytes):
+        return b"b" + value
+    arr = np.asarray(value)  # _raw_attr only lets scalar numbers through
+    return b"n" + arr.dtype.str.encode() + repr(arr.shape).encode() + arr.tobytes()
+
+
+def _digest(root: dict[str, Any], objects: dict[str, _Object]) -> str:
+    """sha256 over the file's attributes (but the two written after it) and every link's
+    path, kind and attributes (a dataset's dtype and shape too), in sorted order.
+
+    The writer feeds it what it wrote; a reader what it finds in the file: a flipped byte
+    in a name or attribute changes the digest."""
+    h = hashlib.sha256()
+
+    def feed(*parts: bytes) -> None:
+        for part in parts:
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+
+    def feed_attrs(attrs: dict[str, Any]) -> None:
+        for name in sorted(attrs):
+            if attrs is not root or name not in _UNDIGESTED:
+                feed(b"attr", name.encode("utf-8", "surrogatepass"), _canonical(attrs[name]))
+
+    feed_attrs(root)
+    for path in sorted(objects):
+        obj = objects[path]
+        feed(obj.kind.encode(), path.encode("utf-8", "surrogatepass"))
+        if obj.kind == "dataset":
+            feed(obj.dtype.encode(), repr(obj.shape).encode())
+        feed_attrs(obj.attrs)
+    return h.hexdigest()
+
+
+def _attributes(obj: h5py.HLObject) -> dict[str, Any]:
+    return {name: _raw_attr(obj, name) for name in obj.attrs.keys()}
+
+
+def _objects(f: h5py.File) -> dict[str, _Object]:
+    """Every link below the file's root: path -> :class:`_Object`, attributes read once."""
+    objects: dict[str, _Object] = {}
+
+    def walk(group: h5py.Group, prefix: str) -> None:
+        # Every link, not every object: a tensor shared by two sites is one dataset with
+        # two names, and both names are covered.
+        for name in group.keys():
+            path = f"{prefix}{name}"
+            obj = group[name]
+            if isinstance(obj, h5py.Dataset):
+                objects[path] = _Object("dataset", _attributes(obj), obj.dtype.str, obj.shape)
+            else:
+                objects[path] = _Object("group", _attributes(obj))
+                if isinstance(obj, h5py.Group):
+                    walk(obj, path + "/")
+
+    walk(f, "")
+    return objects
+
+
+def _metadata_digest(f: h5py.File) -> str:
+    """The metadata digest of an open file, read from the file."""
+    return _digest(_attributes(f), _objects(f))
+
+
+# ---------------------------------------------------------------------------------------
+# meta values
+
+
+def _encode_attr(key: str, value: Any) -> tuple[Any, bool]:
+    """A meta value as stored: ``(value, is_json)``."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, (torch.dtype, torch.device)):
+        value = _dtype_name(value) if isinstance(value, torch.dtype) else str(value)
+    if isinstance(value, str) and "\0" not in value:
+        return value, False
+    if isinstance(value, (bool, float)):
+        return value, False
+    if isinstance(value, int) and -(2**63) <= value < 2**63:
+        return value, False
+    try:
+        return json.dumps(value, sort_keys=False), True
+    except (TypeError, ValueError) as exc:
+        raise DumpError(
+            f"meta[{key!r}] cannot be stored in a dump: expected str, int, float, bool or "
+            f"JSON-serializable lists/dicts, got {type(value).__name__} ({exc})"
+        ) from exc
 
 
 # ---------------------------------------------------------------------------------------
@@ -283,9 +369,18 @@ class _Encoder:
     """Writes the tensors of one structure as datasets of ``group``; returns JSON nodes."""
 
     def __init__(
-        self, group: h5py.Group, compression: dict[str, Any], written: dict | None = None, *, checksums: bool = True
+        self,
+        group: h5py.Group,
+        path: str,
+        objects: dict[str, _Object],
+        compression: dict[str, Any],
+        written: dict | None = None,
+        *,
+        checksums: bool = True,
     ) -> None:
         self.group = group
+        self.path = path
+        self.objects = objects  # what the metadata digest will cover: the writer's record
         self.compression = compression
         self.checksums = checksums
         # Tensors written by earlier sites of this dump: id -> (weak reference, dataset
@@ -353,26 +448,38 @@ class _Encoder:
         if arr.ndim == 0:
             arr = arr.reshape(1)  # HDF5 cannot chunk (or checksum) a scalar dataset
         name = f"t{len(self.refs)}"
+        path = f"{self.path}/{name}"
         earlier = self.written.get(id(original))
         if earlier is not None and earlier[0]() is original:
             self.group[name] = self.group.file[earlier[1]]  # a hard link: same dataset
+            self.objects[path] = self.objects[earlier[1]]
             self.refs[id(original)] = name
             self._alive.append(original)
             return name
-        # fletcher32 guards compressed chunks before they reach the decompressor; raw chunks
-        # are guarded by the CRC-32 alone (a second pass over the data bought nothing).
-        fletcher32 = self.checksums and bool(self.compression)
-        dset = self.group.create_dataset(name, data=arr, chunks=_chunks(arr), fletcher32=fletcher32, **self.compression)
-        _set_attr(dset.attrs, "torch_dtype", _dtype_name(t.dtype))
-        _set_attr(dset.attrs, "shape", json.dumps(shape))
+        if not self.compression and 0 < arr.nbytes <= _CHUNK_BYTES:
+            # One chunk, no filter: written as it is, past h5py's selection and conversion.
+            dset = self.group.create_dataset(name, shape=arr.shape, dtype=arr.dtype, chunks=arr.shape)
+            dset.id.write_direct_chunk((0,) * arr.ndim, arr)
+        else:
+            # fletcher32 guards compressed chunks before they reach the decompressor; raw
+            # chunks are guarded by the CRC-32 alone (a second pass over the data bought nothing).
+            fletcher32 = self.checksums and bool(self.compression)
+            dset = self.group.create_dataset(
+                name, data=arr, chunks=_chunks(arr), fletcher32=fletcher32, **self.compression
+            )
+        attrs = {
+            "torch_dtype": _set_attr(dset, "torch_dtype", _dtype_name(t.dtype)),
+            "shape": _set_attr(dset, "shape", json.dumps(shape)),
+        }
         if self.checksums:
-            _set_attr(dset.attrs, "crc32", _bytes_digest(arr))
+            attrs["crc32c"] = _set_attr(dset, "crc32c", _crc32c(arr))
+        self.objects[path] = _Object("dataset", attrs, arr.dtype.str, arr.shape)
         self.refs[id(original)] = name
         self._alive.append(original)
         written, key = self.written, id(original)
         try:
             # The callback must not hold this encoder: it keeps its tensors alive.
-            written[key] = (weakref.ref(original, lambda _: written.pop(key, None)), dset.name)
+            written[key] = (weakref.ref(original, lambda _: written.pop(key, None)), path)
         except TypeError:
             pass
         return name
@@ -381,8 +488,10 @@ class _Encoder:
 class _Decoder:
     """Rebuilds a structure from JSON nodes, reading tensors from ``group``."""
 
-    def __init__(self, group: h5py.Group, *, verify: bool) -> None:
+    def __init__(self, group: h5py.Group, path: str, objects: dict[str, _Object], *, verify: bool) -> None:
         self.group = group
+        self.path = path
+        self.objects = objects  # the reader's index: attributes as read (and digested) at open
         self.verify = verify
         self.tensors: dict[str, torch.Tensor] = {}
         self.nbytes = 0
@@ -420,11 +529,13 @@ class _Decoder:
     def tensor(self, ref: str) -> torch.Tensor:
         if ref in self.tensors:
             return self.tensors[ref]
-        dset = self.group[ref]
-        if not isinstance(dset, h5py.Dataset):
+        entry = self.objects.get(f"{self.path}/{ref}")
+        if entry is None or entry.kind != "dataset":
             raise ValueError(f"{ref!r} is not a dataset")
-        dtype = _torch_dtype(_attr(dset, "torch_dtype"))
-        shape = [_expect(n, int) for n in _expect(json.loads(_attr(dset, "shape")), list)]
+        dset = self.group[ref]
+        attrs = {k: _decode_attr(v) for k, v in entry.attrs.items()}
+        dtype = _torch_dtype(attrs["torch_dtype"])
+        shape = [_expect(n, int) for n in _expect(json.loads(attrs["shape"]), list)]
         if dtype in _NUMPY_NATIVE:
             stored = np.dtype(_NUMPY_NATIVE[dtype])
         else:
@@ -438,13 +549,18 @@ class _Decoder:
             raise ValueError(f"dataset {ref} holds {dset.dtype}, expected {stored} for {dtype}")
         if dset.shape != tuple(shape) and not (shape == [] and dset.shape == (1,)):
             raise ValueError(f"dataset {ref} has shape {list(dset.shape)}, its shape attribute says {shape}")
-        arr = dset[()]
+        arr = np.empty(dset.shape, dtype=stored)
+        if arr.size:
+            dset.id.read(h5py.h5s.ALL, h5py.h5s.ALL, arr)
         if self.verify:
-            if "crc32" not in dset.attrs:
-                raise ValueError(f"dataset {ref} has no crc32 (a dump written with checksums off): read it with verify=False")
-            if _bytes_digest(arr) != _attr(dset, "crc32"):
+            kind = next((k for k in _CHECKSUMS if k in attrs), None)
+            if kind is None:
+                raise ValueError(
+                    f"dataset {ref} has no checksum (a dump written with checksums off): read it with verify=False"
+                )
+            if _CHECKSUMS[kind](arr) != attrs[kind]:
                 raise _DigestMismatch(ref)
-        arr = np.ascontiguousarray(arr).reshape(shape)
+        arr = arr.reshape(shape)
         if dtype in _NUMPY_NATIVE:
             t = torch.from_numpy(arr)
         else:
@@ -513,6 +629,9 @@ class DumpWriter:
         self.tmp_path = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self._count = 0
         self._written: dict[int, tuple] = {}
+        # What the metadata digest covers, recorded as it is written (not read back).
+        self._root: dict[str, Any] = {}
+        self._objects: dict[str, _Object] = {}
         self._has_inputs = False
         self._meta_keys: list[str] = []
         try:
@@ -520,14 +639,17 @@ class DumpWriter:
         except Exception as exc:
             raise DumpError(f"{self.path}: cannot create the dump: {exc}", path=str(self.path)) from exc
         try:
-            attrs = self._file.attrs
-            _set_attr(attrs, "format", FORMAT)
-            _set_attr(attrs, "schema_version", SCHEMA_VERSION)
-            _set_attr(attrs, "blockdiff_version", _blockdiff_version())
-            _set_attr(attrs, "torch_version", str(torch.__version__))
-            _set_attr(attrs, "created", datetime.now(timezone.utc).isoformat(timespec="seconds"))
+            for key, value in (
+                ("format", FORMAT),
+                ("schema_version", SCHEMA_VERSION),
+                ("blockdiff_version", _blockdiff_version()),
+                ("torch_version", str(torch.__version__)),
+                ("created", datetime.now(timezone.utc).isoformat(timespec="seconds")),
+            ):
+                self._root[key] = _set_attr(self._file, key, value)
             self._write_meta()
             self._sites = self._file.create_group("sites")
+            self._objects["sites"] = _Object("group", {})
         except BaseException:
             self.abort()
             raise
@@ -543,26 +665,32 @@ class DumpWriter:
             group = self._sites.create_group(name)
         except Exception as exc:
             raise DumpError(f"{self.path}: cannot write site {site.label}: {exc}", path=str(self.path)) from exc
+        path = f"sites/{name}"
         try:
-            _set_attr(group.attrs, "stage", str(site.stage))
-            _set_attr(group.attrs, "block", -1 if site.block is None else int(site.block))
-            _set_attr(group.attrs, "subpath", "" if site.subpath is None else str(site.subpath))
-            _set_attr(group.attrs, "module", str(site.module))
-            _set_attr(group.attrs, "call", int(site.call))
-            _set_attr(group.attrs, "ordinal", int(site.ordinal))
-            # Start order of the call (a block starts before its modules); the group
-            # name counts completions, the order sites are written in.
-            _set_attr(group.attrs, "order", int(site.order))
-            enc = _Encoder(group, self._compression, self._written, checksums=self.checksums)
+            attrs = {
+                "stage": str(site.stage),
+                "block": -1 if site.block is None else int(site.block),
+                "subpath": "" if site.subpath is None else str(site.subpath),
+                "module": str(site.module),
+                "call": int(site.call),
+                "ordinal": int(site.ordinal),
+                # Start order of the call (a block starts before its modules); the group
+                # name counts completions, the order sites are written in.
+                "order": int(site.order),
+            }
+            attrs = {key: _set_attr(group, key, value) for key, value in attrs.items()}
+            self._objects[path] = _Object("group", attrs)
+            enc = _Encoder(group, path, self._objects, self._compression, self._written, checksums=self.checksums)
             structure = {
                 "args": enc.node(tuple(site.args)),
                 "kwargs": enc.node(dict(site.kwargs)),
                 "output": enc.node(site.output),
             }
-            _set_attr(group.attrs, "structure", json.dumps(structure))
+            attrs["structure"] = _set_attr(group, "structure", json.dumps(structure))
         except Exception as exc:
             # Leave no half-written site behind if the caller carries on.
             del f["sites"][name]
+            self._forget(path)
             if isinstance(exc, DumpError):
                 raise DumpError(f"{self.path}: site {site.label}: {exc}", path=str(self.path), site=site.label) from exc
             raise DumpError(
@@ -578,11 +706,14 @@ class DumpWriter:
         if self._has_inputs:
             raise DumpError(f"{self.path}: inputs were already recorded", path=str(self.path))
         group = f.create_group("inputs")
+        attrs: dict[str, Any] = {}
+        self._objects["inputs"] = _Object("group", attrs)
         try:
-            enc = _Encoder(group, self._compression, checksums=self.checksums)
-            _set_attr(group.attrs, "structure", json.dumps(enc.node(obj)))
+            enc = _Encoder(group, "inputs", self._objects, self._compression, checksums=self.checksums)
+            attrs["structure"] = _set_attr(group, "structure", json.dumps(enc.node(obj)))
         except Exception as exc:
             del f["inputs"]
+            self._forget("inputs")
             raise DumpError(
                 f"{self.path}: cannot write the inputs: {type(exc).__name__}: {exc}", path=str(self.path)
             ) from exc
@@ -598,9 +729,8 @@ class DumpWriter:
         try:
             self._check_meta()
             self._write_meta()
-            f.flush()
-            _set_attr(f.attrs, "metadata_digest", _metadata_digest(f))
-            _set_attr(f.attrs, "complete", True)
+            _set_attr(f, "metadata_digest", _digest(self._root, self._objects))
+            _set_attr(f, "complete", True)
             f.close()
             self._file = None
             _fsync(self.tmp_path)
@@ -663,18 +793,24 @@ class DumpWriter:
             _encode_attr(key, self.meta[key])
 
     def _write_meta(self) -> None:
-        attrs = self._open_file().attrs
-        for key in self._meta_keys:
-            if key in attrs:
-                del attrs[key]
+        f = self._open_file()
+        for key in [*self._meta_keys, "json_attributes"]:
+            if key in f.attrs:
+                del f.attrs[key]
+                del self._root[key]
         json_keys = []
         for key, value in self.meta.items():
             stored, is_json = _encode_attr(key, value)
-            _set_attr(attrs, key, stored)
+            self._root[key] = _set_attr(f, key, stored)
             if is_json:
                 json_keys.append(key)
-        _set_attr(attrs, "json_attributes", json.dumps(json_keys))
+        self._root["json_attributes"] = _set_attr(f, "json_attributes", json.dumps(json_keys))
         self._meta_keys = list(self.meta)
+
+    def _forget(self, path: str) -> None:
+        """Drop a deleted group and everything below it from the digest's record."""
+        for key in [k for k in self._objects if k == path or k.startswith(path + "/")]:
+            del self._objects[key]
 
 
 def _fsync(path: Path) -> None:
@@ -801,6 +937,7 @@ class DumpReader:
         self._file: h5py.File | None = None
         self.meta: dict[str, Any] = {}
         self._entries: list[_Entry] = []
+        self._objects: dict[str, _Object] = {}  # every link, its attributes read once at open
         where = str(self.path)
         if not self.path.exists():
             raise DumpError(f"{where}: no such file", path=where)
@@ -822,14 +959,15 @@ class DumpReader:
     def _validate(self) -> None:
         f = self._file
         where = str(self.path)
-        attrs = f.attrs
         try:
-            fmt = _attr(f, "format") if "format" in attrs else None
+            fmt = _attr(f, "format") if "format" in f.attrs else None
         except Exception:
             fmt = None  # a foreign file's "format" may be anything
         if fmt != FORMAT:
             raise DumpError(f"{where} is an HDF5 file but not a blockdiff dump", path=where)
-        version = _attr(f, "schema_version") if "schema_version" in attrs else None
+        root = _attributes(f)
+        attrs = {k: _decode_attr(v) for k, v in root.items()}
+        version = attrs.get("schema_version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise DumpError(f"{where} has an invalid schema version {version!r}: the file is damaged", path=where)
         if version > SCHEMA_VERSION:
@@ -838,29 +976,37 @@ class DumpReader:
                 "upgrade blockdiff",
                 path=where,
             )
-        if "complete" not in attrs or _attr(f, "complete") is not True:
+        if attrs.get("complete") is not True:
             raise DumpError(f"{where} is incomplete (the capture did not finish)", path=where)
-        stored = _attr(f, "metadata_digest") if "metadata_digest" in attrs else None
-        if stored != _metadata_digest(f):
+        self._objects = _objects(f)
+        if attrs.get("metadata_digest") != _digest(root, self._objects):
             raise DumpError(f"{where} metadata digest mismatch: the file is damaged", path=where)
 
-        meta = {k: _attr(f, k) for k in attrs.keys() if k != "json_attributes"}
-        for key in json.loads(_attr(f, "json_attributes")):
+        meta = {k: v for k, v in attrs.items() if k != "json_attributes"}
+        for key in json.loads(attrs["json_attributes"]):
             meta[key] = json.loads(meta[key])
         self.meta = meta
 
+        if self._objects.get("sites", _Object("dataset", {})).kind != "group":
+            raise ValueError("/sites is missing or not a group")
         entries = []
-        for name, group in f["sites"].items():
-            block = int(_attr(group, "block"))
-            subpath = str(_attr(group, "subpath"))
+        for path, obj in self._objects.items():
+            name = path.removeprefix("sites/")
+            if name == path or "/" in name:
+                continue
+            if obj.kind != "group":
+                raise ValueError(f"/{path} is not a group")
+            group = {k: _decode_attr(v) for k, v in obj.attrs.items()}
+            block = int(group["block"])
+            subpath = str(group["subpath"])
             site = Site(
-                stage=str(_attr(group, "stage")),
+                stage=str(group["stage"]),
                 block=None if block < 0 else block,
                 subpath=subpath or None,
-                module=str(_attr(group, "module")),
-                call=int(_attr(group, "call")),
-                ordinal=int(_attr(group, "ordinal")),
-                order=int(_attr(group, "order")),
+                module=str(group["module"]),
+                call=int(group["call"]),
+                ordinal=int(group["ordinal"]),
+                order=int(group["order"]),
             )
             entries.append(_Entry(name, site))
         # Calls in the order they started (a block before its modules); sites written
@@ -895,10 +1041,9 @@ class DumpReader:
         """The recorded model inputs, or ``None`` if the dump has none."""
         f = self._open_file()
         with self._guard("cannot be read (the file is damaged)", site="/inputs"):
-            if "inputs" not in f:
+            if "inputs" not in self._objects:
                 return None
-            group = f["inputs"]
-            return self._decode(group, json.loads(_attr(group, "structure")), "/inputs", whole=True)[0]
+            return self._decode("inputs", "/inputs", whole=True)[0]
 
     def verify_all(self) -> VerifySummary:
         """Read every tensor of every site and the inputs, checking each digest.
@@ -913,19 +1058,15 @@ class DumpReader:
         tensors = nbytes = 0
         for e in self._entries:
             with self._guard("cannot be read (the file is damaged)", site=e.label):
-                group = f["sites"][e.name]
-                structure = json.loads(_attr(group, "structure"))
-                _, dec = self._decode(group, structure, e.label, verify=True)
-                extra = set(group.keys()) - set(dec.tensors)
+                _, dec = self._decode(f"sites/{e.name}", e.label, verify=True)
+                extra = set(dec.group.keys()) - set(dec.tensors)
                 if extra:
                     raise ValueError(f"datasets {sorted(extra)} are not referenced by the structure")
             tensors += len(dec.tensors)
             nbytes += dec.nbytes
         with self._guard("cannot be read (the file is damaged)", site="/inputs"):
-            if "inputs" in f:
-                group = f["inputs"]
-                structure = json.loads(_attr(group, "structure"))
-                _, dec = self._decode(group, structure, "/inputs", whole=True, verify=True)
+            if "inputs" in self._objects:
+                _, dec = self._decode("inputs", "/inputs", whole=True, verify=True)
                 tensors += len(dec.tensors)
                 nbytes += dec.nbytes
         return VerifySummary(sites=len(self._entries), tensors=tensors, bytes=nbytes)
@@ -962,21 +1103,22 @@ class DumpReader:
         return self._file
 
     def _read(self, e: _Entry) -> Site:
-        f = self._open_file()
+        self._open_file()
         with self._guard("cannot be read (the file is damaged)", site=e.label):
-            group = f["sites"][e.name]
-            structure = json.loads(_attr(group, "structure"))
-            decoded, _ = self._decode(group, structure, e.label)
+            decoded, _ = self._decode(f"sites/{e.name}", e.label)
             args, kwargs, output = decoded["args"], decoded["kwargs"], decoded["output"]
             if not isinstance(args, tuple) or not isinstance(kwargs, dict):
                 raise TypeError("site args must be a tuple and kwargs a dict")
             return dataclasses.replace(e.site, args=args, kwargs=kwargs, output=output)
 
     def _decode(
-        self, group: h5py.Group, structure: Any, label: str, *, whole: bool = False, verify: bool | None = None
+        self, path: str, label: str, *, whole: bool = False, verify: bool | None = None
     ) -> tuple[Any, _Decoder]:
-        """Decode a structure (``whole``) or a site's ``{"args", "kwargs", "output"}``."""
-        dec = _Decoder(group, verify=self.verify if verify is None else verify)
+        """Decode the structure of group ``path``: a whole one (``whole``, the inputs) or a
+        site's ``{"args", "kwargs", "output"}``."""
+        group = self._open_file()[path]
+        structure = json.loads(_decode_attr(self._objects[path].attrs["structure"]))
+        dec = _Decoder(group, path, self._objects, verify=self.verify if verify is None else verify)
         try:
             if whole:
                 return dec.node(structure), dec

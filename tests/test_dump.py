@@ -9,10 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import zlib
 import textwrap
+import zlib
 from pathlib import Path
 
+import google_crc32c
 import h5py
 import numpy as np
 import pytest
@@ -246,7 +247,7 @@ def test_meta_round_trips_with_standard_attributes(tmp_path):
     for key, value in META.items():
         assert meta[key] == value
     assert meta["format"] == "blockdiff.dump"
-    assert meta["schema_version"] == 1
+    assert meta["schema_version"] == 2
     assert meta["complete"] is True
     assert meta["torch_version"] == torch.__version__
     assert isinstance(meta["blockdiff_version"], str) and meta["blockdiff_version"]
@@ -284,14 +285,14 @@ def test_verify_all_counts_everything(tmp_path):
 def test_plain_h5py_reads_the_dump(tmp_path):
     tensors = _tensors()
     path = _write(tmp_path / "d.h5", _model_sites() + [_site(args=(tensors["bf16"],), output=tensors["f32"])])
-    # Only h5py, numpy, json and zlib from here: what someone without blockdiff has.
+    # Only h5py, numpy, json and google-crc32c from here: what someone without blockdiff has.
     # Strings are fixed-length UTF-8, which h5py reads as bytes.
     def text(attrs, name):
         return attrs[name].decode("utf-8")
 
     with h5py.File(path, "r") as f:
         assert text(f.attrs, "format") == "blockdiff.dump"
-        assert f.attrs["schema_version"] == 1
+        assert f.attrs["schema_version"] == 2
         assert bool(f.attrs["complete"]) is True
         assert text(f.attrs, "model") == META["model"]
         assert f.attrs["layers"] == 2
@@ -313,7 +314,7 @@ def test_plain_h5py_reads_the_dump(tmp_path):
         assert text(bf16.attrs, "torch_dtype") == "bfloat16"
         assert bf16.dtype == np.uint16
         bits = bf16[()]
-        assert format(zlib.crc32(bits.tobytes()), "08x") == text(bf16.attrs, "crc32")
+        assert format(google_crc32c.value(bits.tobytes()), "08x") == text(bf16.attrs, "crc32c")
         assert np.array_equal(bits, tensors["bf16"].view(torch.int16).numpy().view(np.uint16))
         out = last[structure["output"]["ref"]]
         assert text(out.attrs, "torch_dtype") == "float32" and out.dtype == np.float32
@@ -417,8 +418,8 @@ def test_foreign_hdf5(tmp_path):
 
 def test_newer_schema_version(dump_path):
     with h5py.File(dump_path, "r+") as f:
-        f.attrs["schema_version"] = 2
-    with pytest.raises(DumpError, match="has schema version 2; this blockdiff reads up to 1: upgrade blockdiff"):
+        f.attrs["schema_version"] = 3
+    with pytest.raises(DumpError, match="has schema version 3; this blockdiff reads up to 2: upgrade blockdiff"):
         DumpReader(dump_path)
 
 
@@ -453,7 +454,7 @@ def test_flipped_byte_in_tensor_data_names_the_site(dump_path):
 
 
 def test_changed_tensor_data_fails_digest(dump_path):
-    # Rewritten through HDF5, so fletcher32 is recomputed: only the crc32 catches it.
+    # Rewritten through HDF5, so fletcher32 is recomputed: only the crc32c catches it.
     with h5py.File(dump_path, "r+") as f:
         dset = f["sites/000003/t1"]
         data = dset[()]
@@ -466,6 +467,38 @@ def test_changed_tensor_data_fails_digest(dump_path):
             dump.verify_all()
     with DumpReader(dump_path, verify=False) as dump:
         assert len(dump.block_sites(0)) == 5
+
+
+def _resign(f: h5py.File) -> None:
+    """Write a new metadata digest and ``complete`` flag, as a writer would."""
+    import blockdiff.dump as dump_module
+
+    del f.attrs["complete"], f.attrs["metadata_digest"]
+    f.attrs["metadata_digest"] = dump_module._metadata_digest(f)
+    f.attrs["complete"] = True
+
+
+def test_schema_1_dump_with_zlib_crc32_is_still_read_and_verified(dump_path):
+    # blockdiff 0.1 wrote schema 1: the same layout with zlib's CRC-32 in ``crc32``.
+    with h5py.File(dump_path, "r+") as f:
+        datasets = []
+        f.visititems(lambda name, obj: datasets.append(obj) if isinstance(obj, h5py.Dataset) else None)
+        for dset in datasets:
+            del dset.attrs["crc32c"]
+            crc = format(zlib.crc32(dset[()].tobytes()), "08x").encode()
+            dset.attrs.create("crc32", np.array(crc, dtype=h5py.string_dtype("utf-8", 8)))
+        f.attrs["schema_version"] = 1
+        _resign(f)
+    with DumpReader(dump_path) as dump:
+        assert dump.meta["schema_version"] == 1
+        assert dump.verify_all().tensors > 0
+        assert len(dump.block_sites(0)) == 5
+    with h5py.File(dump_path, "r+") as f:
+        dset = f["sites/000003/t1"]
+        dset[0, 0] = np.nextafter(dset[0, 0], np.float32(np.inf))
+    with DumpReader(dump_path) as dump:
+        with pytest.raises(DumpError, match=r"site /sites/000003 .*tensor t1 digest mismatch: the file is damaged"):
+            dump.block_sites(0)
 
 
 def test_changed_attribute_fails_metadata_digest(dump_path):
@@ -490,12 +523,8 @@ def test_damaged_structure_json_is_a_dump_error(dump_path):
     with pytest.raises(DumpError, match="metadata digest mismatch"):
         DumpReader(dump_path)
     # Even past the digest (a file re-signed by hand), bad JSON is a DumpError naming the site.
-    import blockdiff.dump as dump_module
-
     with h5py.File(dump_path, "r+") as f:
-        del f.attrs["complete"], f.attrs["metadata_digest"]
-        f.attrs["metadata_digest"] = dump_module._metadata_digest(f)
-        f.attrs["complete"] = True
+        _resign(f)
     with DumpReader(dump_path) as dump:
         with pytest.raises(DumpError, match=r"site /sites/000001 .*JSONDecodeError"):
             dump.block_sites(0)
