@@ -228,7 +228,9 @@ def main() -> None:
     plain = timed(lambda: forward(model, ids), repeat)
     in_memory = timed(lambda: record(model, layout, MemoryStore(), ids), repeat)
     with tempfile.TemporaryDirectory() as tmp:
-        streamed = timed(lambda: capture(model, ids, Path(tmp) / "c.h5"), repeat)
+        # A new file each run: replacing the previous run's dump would time its deletion too.
+        runs = iter(range(10**6))
+        streamed = timed(lambda: capture(model, ids, Path(tmp) / f"c{next(runs)}.h5"), repeat)
         store = MemoryStore()
         record(model, layout, store, ids)
         arrays, seen = [], set()

@@ -25,7 +25,7 @@ from .inputs import Inputs, check_inputs, check_vocab, digest, model_device, mod
 from .loading import parse_dtype
 from .localize import Localizer, NonfiniteScan, Side, check_block_counts, offline_drift
 from .report import Report
-from .store import BackgroundStore, MemoryStore, SiteStore
+from .store import BackgroundStore, MemoryStore, SiteStore, release_freed_memory
 from .tolerance import Tolerance, working_dtype
 
 
@@ -252,6 +252,7 @@ def _stream(side: str, model: nn.Module, layout: Layout, inputs: Inputs, path: s
                 pass  # the capture's own error is the one to report
             raise
         background.close()
+    release_freed_memory()  # the copies written to the dump (see store.release_freed_memory)
 
 
 def _dump_side(name: str, dump: DumpReader, label: str | None) -> Side:

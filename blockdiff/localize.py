@@ -45,7 +45,7 @@ from .site import (
 )
 from .moe import Decision, decision, router_checks
 from .moe_stats import moe_block_stats
-from .store import SiteStore
+from .store import MemoryStore, SiteStore, release_freed_memory
 from .tolerance import Tolerance, working_dtype
 
 
@@ -414,8 +414,11 @@ class Localizer:
         """One :class:`BlockResult` per block, in order; reads one block's sites at a time."""
         ref_blocks = self.ref.store.block_indices()
         check_block_counts(len(ref_blocks), len(self.cand.store.block_indices()))
+        streamed = not (isinstance(self.ref.store, MemoryStore) and isinstance(self.cand.store, MemoryStore))
         for index in ref_blocks:
             yield self.block(index)
+            if streamed:
+                release_freed_memory()
 
     def block(self, index: int) -> BlockResult:
         r_all = {s.key: s for s in self.ref.store.block_sites(index)}

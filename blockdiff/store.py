@@ -8,6 +8,8 @@ file (:mod:`blockdiff.dump`) can stand in for the in-memory one.
 from __future__ import annotations
 
 import bisect
+import ctypes
+import ctypes.util
 from typing import Any, Protocol
 
 from .site import Site
@@ -109,3 +111,27 @@ class BackgroundStore:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+
+def _malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to call
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand memory that was freed back to the operating system, where the C library allows.
+
+    Streaming frees each block's activations before reading the next block's, but glibc
+    keeps freed heap memory (and tensors of up to 32 MB come from the heap once a larger
+    one was freed), so the resident size of a streamed run grew with the number of blocks
+    (about 4 MiB per block on a 58M model). ``malloc_trim`` after each block keeps it flat;
+    it takes about a millisecond. Elsewhere than glibc this does nothing.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
