@@ -78,16 +78,24 @@ def _metrics(reference: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtyp
     c = candidate.detach().to("cpu", work)
     numel = r.numel()
     rtol, atol = ALLCLOSE.get(dtype or candidate.dtype, ALLCLOSE[torch.float32])
-    # NaN and Inf propagate into a sum: a finite sum on both sides means no element to
-    # mask (a float32 sum that overflows takes the masked path, which is exact too).
-    if bool(torch.isfinite(r.sum())) and bool(torch.isfinite(c.sum())):
+    diff = c - r
+    # Sums of squares, not torch.linalg.vector_norm: its float32 CPU reduction is not a
+    # cascade sum (relative error 3e-4 over 8M elements, against 2e-8 here). NaN and Inf
+    # propagate into them: finite sums on all three mean no element to mask.
+    squares = [float(x.square().sum()) for x in (r, c, diff)]
+    finite = all(math.isfinite(v) for v in squares)
+    if not finite:
+        fin_r, fin_c = torch.isfinite(r), torch.isfinite(c)
+        if bool(fin_r.all()) and bool(fin_c.all()):
+            if work == torch.float32:
+                return None  # finite values whose float32 squares overflowed: retry in float64
+            finite = True  # beyond float64 too (|x| > 1e154): the norms are infinite
+    if finite:
         nonfinite_ref = nonfinite_cand = 0
-        diff = c - r
         abs_diff = diff.abs()
         # torch.isclose's rule, |c - r| <= atol + rtol * |r|, on the difference at hand.
         mismatched = int((abs_diff > r.abs().mul_(rtol).add_(atol)).sum())
     else:
-        fin_r, fin_c = torch.isfinite(r), torch.isfinite(c)
         nonfinite_ref = int((~fin_r).sum())
         nonfinite_cand = int((~fin_c).sum())
         mismatched = int((~torch.isclose(c, r, rtol=rtol, atol=atol, equal_nan=True)).sum())
@@ -100,11 +108,9 @@ def _metrics(reference: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtyp
         r, c = r[fin_r], c[fin_c]
         diff = c - r
         abs_diff = diff.abs()
-    # Sums of squares, not torch.linalg.vector_norm: its float32 CPU reduction is not a
-    # cascade sum (relative error 3e-4 over 8M elements, against 2e-8 here).
-    squares = [float(x.square().sum()) for x in (r, c, diff)]
-    if not all(math.isfinite(v) for v in squares):
-        return None
+        squares = [float(x.square().sum()) for x in (r, c, diff)]
+        if work == torch.float32 and not all(math.isfinite(v) for v in squares):
+            return None
     norm_r, norm_c, norm_d = (math.sqrt(v) for v in squares)
     if norm_r > 0:
         rel_l2 = norm_d / norm_r

@@ -2,7 +2,7 @@
 
 Capture streams sites into a :class:`DumpWriter`; localization (or a person with plain
 h5py / h5dump) reads them back with :class:`DumpReader`, one block at a time. The format
-is schema v1, documented in ``docs/dump-format.md``:
+is schema v2, documented in ``docs/dump-format.md``:
 
 - file attributes: ``format`` (``"blockdiff.dump"``), ``schema_version``, versions,
   creation time, the capture's ``meta``, a ``metadata_digest`` and ``complete`` (last);
@@ -14,7 +14,7 @@ is schema v1, documented in ``docs/dump-format.md``:
 Tensors are stored losslessly: dtypes numpy has as themselves, the others (bfloat16,
 float8, ...) as raw bits with the torch dtype named in the ``torch_dtype`` attribute.
 Every tensor dataset is chunked (compressed ones with HDF5's fletcher32 filter too) and
-carries a CRC-32 of its bytes, checked on read. A dump is written under a temporary name and renamed only after a
+carries a CRC-32C of its bytes, checked on read. A dump is written under a temporary name and renamed only after a
 clean close, so a file at the final path is always complete. Reading never raises
 anything but :class:`~blockdiff.errors.DumpError` for a damaged or foreign file.
 """
@@ -462,7 +462,7 @@ class _Encoder:
             dset.id.write_direct_chunk((0,) * arr.ndim, arr)
         else:
             # fletcher32 guards compressed chunks before they reach the decompressor; raw
-            # chunks are guarded by the CRC-32 alone (a second pass over the data bought nothing).
+            # chunks are guarded by the CRC-32C alone (a second pass over the data bought nothing).
             fletcher32 = self.checksums and bool(self.compression)
             dset = self.group.create_dataset(
                 name, data=arr, chunks=_chunks(arr), fletcher32=fletcher32, **self.compression
@@ -600,7 +600,7 @@ class DumpWriter:
         meta: what the capture was (model spec, hook map, device, dtype, input digest, ...):
             str/int/float/bool values stored as attributes, lists/dicts/None as JSON.
         compress: ``None``, ``"lzf"`` or ``"gzip"`` for every tensor dataset.
-        checksums: ``False`` writes neither the fletcher32 filter (compressed dumps) nor the crc32
+        checksums: ``False`` writes neither the fletcher32 filter (compressed dumps) nor the crc32c
             attributes, to measure what they cost (``benchmarks/overhead.py``); such a dump
             reads only with ``verify=False``.
 
@@ -858,7 +858,7 @@ class _Entry:
 
 # Parses everything libhdf5 parses when blockdiff reads a dump (superblock, object headers,
 # attributes, B-trees, chunk indexes) without reading tensor data, which fletcher32 and
-# crc32 already guard. Only h5py: no torch import, so it starts in a fraction of a second.
+# crc32c already guard. Only h5py: no torch import, so it starts in a fraction of a second.
 PROBE_SCRIPT = r"""
 import sys, h5py
 def visit(name, obj):
@@ -921,7 +921,7 @@ class DumpReader:
 
     Args:
         path: the dump.
-        verify: check every tensor's crc32 as it is read.
+        verify: check every tensor's checksum as it is read.
         probe: parse the file's structure in a bounded subprocess first (see
             :func:`probe_file`), so a file that crashes or hangs libhdf5 cannot take this
             process down.

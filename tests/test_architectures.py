@@ -282,3 +282,15 @@ def test_a_hub_model_id_is_not_fetched(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(["diff", "google/gemma-2-2b"], capsys)
     assert code == 2 and "expected path/to/file.py:factory" in err
+
+
+def test_fast_path_cannot_see_a_divergence_the_block_hides(saved, capsys):
+    # Gemma2 normalizes the MLP's output (post_feedforward_layernorm): a down_proj scaled by
+    # 1.5 changes the MLP's output but barely the block's. The full run blames the MLP;
+    # --fast judges the block as a whole within tolerance and skips its sub-paths. This is
+    # why --fast is opt-in.
+    args = ["diff", str(saved / "gemma2"), str(saved / "damaged"), "-q"]
+    code, out, _ = run_cli(args, capsys)
+    assert code == 1 and out.startswith("first divergence: block 2 ffn (model.layers.2.mlp)")
+    code, out, _ = run_cli(args + ["--fast"], capsys)
+    assert code == 0 and "first divergence" not in out

@@ -61,3 +61,9 @@ def test_same_nonfinite_pattern_compares_the_finite_rest():
     assert (m.nonfinite_ref, m.nonfinite_cand) == (2, 2)
     other = metrics(r, torch.tensor([1.0, 0.0, 2.0, float("inf")]))
     assert other.rel_l2 == math.inf and (other.nonfinite_ref, other.nonfinite_cand) == (2, 1)
+
+
+def test_float64_values_beyond_the_range_of_their_squares_still_give_metrics():
+    r = torch.full((4,), 1e200, dtype=torch.float64)
+    m = metrics(r, r.clone())
+    assert (m.nonfinite_ref, m.nonfinite_cand, m.max_abs) == (0, 0, 0.0)
