@@ -244,6 +244,17 @@ def main() -> None:
     two_forwards = timed(lambda: (forward(reference, ids), forward(candidate, ids)), repeat)
     full = timed(lambda: diff(reference, candidate, ids), max(1, repeat // 2))
     fast = timed(lambda: diff(reference, candidate, ids, fast_path=True), max(1, repeat // 2))
+    # The same weights give every module its own inputs again in the experiments, and its
+    # recorded output answers. A candidate whose weights differ by one part in 1e6
+    # differs everywhere: every experiment runs.
+    differing = build(8, **sizes)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for param in differing.parameters():
+            param.mul_(1 + 1e-6 * torch.randn(param.shape, generator=gen))
+    two_differing = timed(lambda: (forward(reference, ids), forward(differing, ids)), repeat)
+    everywhere = timed(lambda: diff(reference, differing, ids), max(1, repeat // 2))
+    everywhere_fast = timed(lambda: diff(reference, differing, ids, fast_path=True), max(1, repeat // 2))
     bf16 = candidate.to(torch.bfloat16)
     calibrated = timed(lambda: diff(reference, bf16, ids), 1)
     calibrated_fwd = timed(lambda: (forward(reference, ids), forward(bf16, ids)), repeat)
@@ -257,6 +268,8 @@ def main() -> None:
           f"   [{rates['tofile + fsync'] / 1e9:.2f} GB/s: the same durability as a dump]; "
           f"plain h5py / tofile {rates['h5py plain'] / rates['tofile']:.3f}")
     print(f"4. diff / (ref + cand forward), fp32      {full / two_forwards:8.3f}   (goal <= 2.5)   --fast: {fast / two_forwards:.3f}")
+    print(f"   the same, candidate weights x (1 + 1e-6 noise): {everywhere / two_differing:.3f}   "
+          f"--fast: {everywhere_fast / two_differing:.3f}   (every experiment runs)")
     print(f"   diff fp32 vs bf16 (calibrated floors)   {calibrated / calibrated_fwd:8.3f}")
     print(f"   dump throughput, checksums on / off (goal >= 0.85): write {rates['checksums write on/off']:.3f}, "
           f"read verified / unverified {rates['checksums read on/off']:.3f} (median of 15 interleaved pairs)")

@@ -49,8 +49,9 @@ def test_hooks_removed_when_the_candidate_raises(ids):
 
 
 def test_hooks_removed_when_localization_raises(ids):
-    # Capture succeeds, then the candidate's FFN breaks during the local experiments.
-    reference, candidate = tinylm.build(), tinylm.build()
+    # Capture succeeds, then the candidate's FFN breaks during the local experiments (a
+    # bfloat16 candidate: its modules see the reference's activations, not their own).
+    reference, candidate = tinylm.build(), tinylm.build().to(torch.bfloat16)
     calls = {"n": 0}
     original = candidate.blocks[1].ffn.forward
 

@@ -64,6 +64,43 @@ def test_same_model_float32_is_exact(ids):
     assert all(c.metrics.rel_l2 == 0.0 for b in report.blocks for r in b.subpaths.values() for c in r.checks)
 
 
+def _count_ffn_computations(model: torch.nn.Module) -> list[int]:
+    """How many times the FFNs compute (their down_proj runs; a frozen FFN answers without)."""
+    counts = [0]
+    for block in model.blocks:
+        block.ffn.down_proj.register_forward_hook(lambda *_: counts.__setitem__(0, counts[0] + 1))
+    return counts
+
+
+def test_modules_given_their_own_inputs_are_not_run_again(ids):
+    # Until the first difference the candidate's modules receive, in each experiment, the
+    # very activations of their own forward: the recorded output is the answer.
+    candidate = tinylm.build()
+    calls = _count_ffn_computations(candidate)
+    report = diff(tinylm.build(), candidate, ids)
+    assert report.first_divergence is None and calls[0] == 4  # the candidate's forward only
+    candidate = bugs.gelu_for_silu(block=2)
+    calls = _count_ffn_computations(candidate)
+    report = diff(tinylm.build(), candidate, ids)
+    assert blamed(report) == ("block", 2, "ffn")
+    # The forward's 4, and for block 3, the one block whose inputs differ, its module
+    # experiment and its block experiment (the residual experiment freezes the FFN).
+    assert calls[0] == 4 + 2
+
+
+def test_same_bits_compares_every_bit():
+    from blockdiff.localize import same_bits
+
+    x = torch.tensor([1.0, 0.0, float("nan")])
+    assert same_bits({"primary": x}, {"primary": x.clone()})  # NaN equals itself bit for bit
+    assert not same_bits({"primary": x}, {"primary": torch.tensor([1.0, -0.0, float("nan")])})
+    assert not same_bits({"primary": x}, {"primary": x.double()})
+    assert not same_bits({"primary": x}, {"primary": x, "residual": x})
+    assert not same_bits({}, {})
+    assert same_bits({"primary": x.bfloat16()}, {"primary": x.bfloat16()})
+    assert same_bits({"primary": torch.arange(3)}, {"primary": torch.arange(3)})
+
+
 def test_nan_in_candidate_is_a_divergence_at_its_first_site(ids):
     report = diff(tinylm.build(), bugs.nan_in_ffn(block=2), ids)
     assert blamed(report) == ("block", 2, "ffn")
