@@ -2,8 +2,9 @@
 
 Hooks are global state on someone else's model: :func:`capture` adds them and removes
 every one in ``finally``, whatever happens in between. Recording hooks return ``None``
-explicitly (anything else would replace the module's output) and keep copies, never
-references, of inputs and outputs.
+explicitly (anything else would replace the module's output) and keep copies of inputs
+and outputs — or, for :func:`record` into memory, references whose version counters prove
+afterwards that nothing changed them (:class:`Snapshots`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,17 @@ class Snapshots:
     to the CPU, in one pass) the first time and the copy is shared after, as long as the
     object is alive and unchanged (its version counter catches in-place updates). The
     cache holds only weak references to live tensors, so it keeps no activation alive.
+
+    With ``by_reference``, a CPU tensor that has a version counter is not copied at all:
+    the record holds a detached alias (same storage, same version counter) and the version
+    it had. :meth:`changed` says afterwards whether any of them was modified in place since
+    it was recorded; if none was, the aliases hold exactly what the hooks saw.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, by_reference: bool = False) -> None:
+        self.by_reference = by_reference
         self._cache: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._held: list[tuple[torch.Tensor, int]] = []
         self.copies = 0
         self.shared = 0
 
@@ -44,7 +52,11 @@ class Snapshots:
             self.shared += 1
             return hit[2]
         t_ = t.detach()
-        copy = t_.to("cpu", copy=True) if t_.device.type != "cpu" else t_.clone()
+        if self.by_reference and version is not None and t_.device.type == "cpu":
+            self._held.append((t_, version))
+            copy = t_
+        else:
+            copy = t_.to("cpu", copy=True) if t_.device.type != "cpu" else t_.clone()
         if version is None:  # an inference tensor has no version counter: no sharing
             return copy
         try:
@@ -59,6 +71,10 @@ class Snapshots:
     def __call__(self, obj: Any) -> Any:
         return map_structure(obj, self.tensor)
 
+    def changed(self) -> bool:
+        """Whether a tensor recorded by reference was modified in place after its hook."""
+        return any(alias._version != version for alias, version in self._held)
+
 
 def _version(t: torch.Tensor) -> int | None:
     try:
@@ -68,14 +84,17 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 @contextmanager
-def capture(model: nn.Module, layout: Layout, store: SiteStore) -> Iterator[SiteStore]:
-    """Record every site of ``layout`` that runs inside the ``with`` body into ``store``.
+def capture(
+    model: nn.Module, layout: Layout, store: SiteStore, *, snapshot: Snapshots | None = None
+) -> Iterator[SiteStore]:
+    """Record every site of ``layout`` that runs inside the ``with`` body into ``store``
+    (copies of every tensor, unless ``snapshot`` says otherwise).
 
     >>> with capture(model, layout, MemoryStore()) as store:   # doctest: +SKIP
     ...     model(ids)
     """
     modules = dict(model.named_modules())
-    snapshot = Snapshots()
+    snapshot = snapshot or Snapshots()
     calls: dict[str, int] = {}
     ordinals: dict[tuple, int] = {}
     open_sites: dict[str, list[Site]] = {}
@@ -126,13 +145,28 @@ def capture(model: nn.Module, layout: Layout, store: SiteStore) -> Iterator[Site
             handle.remove()
 
 
-def record(model: nn.Module, layout: Layout, store: SiteStore, inputs: Any) -> Any:
-    """Run ``model`` once on ``inputs`` without autograd, recording into ``store``.
+def record(model: nn.Module, layout: Layout, store: SiteStore, inputs: Any, *, copy: bool = False) -> None:
+    """Run ``model`` on ``inputs`` without autograd, recording into ``store``.
 
     ``torch.no_grad`` rather than ``inference_mode``: the same cost, but tensors keep the
     version counters that make sharing one copy between sites safe (:class:`Snapshots`).
 
-    Returns the model's output.
+    Into a :class:`~blockdiff.store.MemoryStore` (a store with ``records_by_reference`` and
+    ``clear``), CPU tensors are recorded by reference,
+    not copied (a copy of every activation cost a tenth of the forward); if the model
+    modified one of them in place after its hook, the store is cleared and the forward
+    runs again with copies. Other stores (a dump being written), and ``copy``, get copies.
+    The store keeps the references' versions: ``store.changed()`` tells whether anything
+    changed them later.
     """
-    with capture(model, layout, store), torch.no_grad():
-        return run_model(model, inputs)
+    by_reference = getattr(store, "records_by_reference", False) and not copy
+    snapshot = Snapshots(by_reference=by_reference)
+    with capture(model, layout, store, snapshot=snapshot), torch.no_grad():
+        output = run_model(model, inputs)
+    del output  # nothing outside holds the model's output: it cannot change the record
+    if by_reference and snapshot.changed():
+        store.clear()
+        with capture(model, layout, store), torch.no_grad():
+            run_model(model, inputs)
+    elif by_reference:
+        store.references = snapshot

@@ -141,9 +141,18 @@ def diff(
                 stores.append(reader)
             ref_store, cand_store = stores
         else:
-            ref_store, cand_store = MemoryStore(ref_meta), MemoryStore(cand_meta)
-            _run("reference", _record, "reference", reference, ref_layout, ref_store, inputs)
-            _run("candidate", _record, "candidate", candidate, cand_layout, cand_store, inputs)
+            return _in_memory(
+                [("reference", reference, ref_layout, ref_meta), ("candidate", candidate, cand_layout, cand_meta)],
+                inputs,
+                lambda stores: _localize(
+                    Side("reference", reference, ref_layout, stores[0]),
+                    Side("candidate", candidate, cand_layout, stores[1]),
+                    inputs,
+                    tolerance,
+                    fast_path=fast_path,
+                    capacity_factors=capacity_factors,
+                ),
+            )
         return _localize(
             Side("reference", reference, ref_layout, ref_store),
             Side("candidate", candidate, cand_layout, cand_store),
@@ -303,15 +312,17 @@ def replay(
         if isinstance(inputs, torch.Tensor):
             check_vocab(inputs, vocab_size(candidate, cand_layout), side="candidate")
         with eval_mode(candidate):
-            cand_store = MemoryStore(describe_side(candidate, cand_layout, labels[1]))
-            _run("candidate", _record, "candidate", candidate, cand_layout, cand_store, inputs)
-            report = _localize(
-                ref,
-                Side("candidate", candidate, cand_layout, cand_store),
+            report = _in_memory(
+                [("candidate", candidate, cand_layout, describe_side(candidate, cand_layout, labels[1]))],
                 inputs,
-                tolerance,
-                fast_path=fast_path,
-                capacity_factors=capacity_factors,
+                lambda stores: _localize(
+                    ref,
+                    Side("candidate", candidate, cand_layout, stores[0]),
+                    inputs,
+                    tolerance,
+                    fast_path=fast_path,
+                    capacity_factors=capacity_factors,
+                ),
             )
     report.notes.insert(0, f"replay: the reference is the dump {reference}")
     return report
@@ -376,6 +387,19 @@ class _Counting:
     def __init__(self, store: SiteStore, what: str, total: int, report: Callable[[str, int, int], None]) -> None:
         self.store, self.meta, self.what, self.total, self.report = store, store.meta, what, total, report
         self.done = 0
+        self.records_by_reference = getattr(store, "records_by_reference", False)
+
+    def clear(self) -> None:
+        self.store.clear()
+        self.done = 0
+
+    @property
+    def references(self) -> Any:
+        return self.store.references
+
+    @references.setter
+    def references(self, snapshot: Any) -> None:
+        self.store.references = snapshot
 
     def add(self, site) -> None:
         self.store.add(site)
@@ -384,11 +408,30 @@ class _Counting:
             self.report(self.what, self.done, self.total)
 
 
-def _record(side: str, model: nn.Module, layout: Layout, store: SiteStore, inputs: Inputs) -> Any:
+def _record(side: str, model: nn.Module, layout: Layout, store: SiteStore, inputs: Inputs, copy: bool = False) -> None:
     report = PROGRESS.get()
     if report is not None:
         store = _Counting(store, f"capture {side}", len(layout.blocks), report)
-    return record(model, layout, store, inputs)
+    record(model, layout, store, inputs, copy=copy)
+
+
+def _in_memory(
+    models: list[tuple[str, nn.Module, Layout, dict]], inputs: Inputs, localize: Callable[[list[MemoryStore]], Report]
+) -> Report:
+    """Record each (side, model, layout, meta) into memory and localize from there.
+
+    Memory stores hold the models' own CPU tensors (:func:`~blockdiff.capture.record`).
+    Should a model write into one of them while localization runs it again (a module
+    reusing a buffer it returned before), the run is repeated on copies.
+    """
+    for copy in (False, True):
+        stores = [MemoryStore(meta) for *_, meta in models]
+        for (side, model, layout, _), store in zip(models, stores):
+            _run(side, _record, side, model, layout, store, inputs, copy)
+        report = localize(stores)
+        if not any(store.changed() for store in stores):
+            break
+    return report
 
 
 def _counted(items: Iterator, what: str, total: int) -> list:

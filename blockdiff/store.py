@@ -32,15 +32,30 @@ class SiteStore(Protocol):
 class MemoryStore:
     """Sites held in memory, in execution order."""
 
+    # capture.record may hold the model's own CPU tensors here instead of copies (it checks
+    # their version counters after the forward, and clears the store and copies if needed).
+    records_by_reference = True
+
     def __init__(self, meta: dict[str, Any] | None = None) -> None:
         self.meta: dict[str, Any] = dict(meta or {})
         self._outside: list[Site] = []
         self._blocks: dict[int, list[Site]] = {}
+        self.references: Any = None  # the capture's Snapshots when sites hold live tensors
 
     def add(self, site: Site) -> None:
         # Sites arrive as their calls finish (a block after its modules); keep start order.
         target = self._outside if site.block is None else self._blocks.setdefault(site.block, [])
         bisect.insort(target, site, key=lambda s: s.order)
+
+    def clear(self) -> None:
+        """Forget every site (the meta stays)."""
+        self._outside.clear()
+        self._blocks.clear()
+        self.references = None
+
+    def changed(self) -> bool:
+        """Whether a tensor recorded by reference was changed in place since it was recorded."""
+        return self.references is not None and self.references.changed()
 
     def block_indices(self) -> list[int]:
         return sorted(self._blocks)
