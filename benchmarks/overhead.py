@@ -15,7 +15,7 @@ and, when transformers is installed, HF's ``model_addition_debugger_context`` on
 model for comparison. Dump checksums are measured too: dump write and read throughput
 with CRC-32C checksums against the same dump written with ``checksums=False``.
 
-    python benchmarks/overhead.py            # about four minutes on 2 cores
+    python benchmarks/overhead.py            # about three minutes on 2 cores
     python benchmarks/overhead.py --quick    # smaller model, for a smoke run
 """
 
