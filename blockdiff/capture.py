@@ -18,7 +18,8 @@ from torch import nn
 
 from .hookmap import Layout
 from .inputs import run_model
-from .site import Site, map_structure
+from .errors import BlockdiffError
+from .site import Site, iter_tensors, map_structure
 from .store import SiteStore
 
 
@@ -33,14 +34,16 @@ class Snapshots:
 
     With ``by_reference``, a CPU tensor that has a version counter is not copied at all:
     the record holds a detached alias (same storage, same version counter) and the version
-    it had. :meth:`changed` says afterwards whether any of them was modified in place since
-    it was recorded; if none was, the aliases hold exactly what the hooks saw.
+    it had. :meth:`changed` says whether any of them was modified in place since it was
+    recorded; if none was, the aliases hold exactly what the hooks saw. ``"kept"`` (a
+    store in memory) checks once the forward is over; ``"written"`` (a dump) checks each
+    site's tensors just before the store writes them, and forgets them once written.
     """
 
-    def __init__(self, *, by_reference: bool = False) -> None:
+    def __init__(self, *, by_reference: str | None = None) -> None:
         self.by_reference = by_reference
         self._cache: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
-        self._held: list[tuple[torch.Tensor, int]] = []
+        self._held: dict[int, tuple[torch.Tensor, int]] = {}
         self.copies = 0
         self.shared = 0
 
@@ -53,7 +56,7 @@ class Snapshots:
             return hit[2]
         t_ = t.detach()
         if self.by_reference and version is not None and t_.device.type == "cpu":
-            self._held.append((t_, version))
+            self._held[id(t_)] = (t_, version)
             copy = t_
         else:
             copy = t_.to("cpu", copy=True) if t_.device.type != "cpu" else t_.clone()
@@ -73,7 +76,23 @@ class Snapshots:
 
     def changed(self) -> bool:
         """Whether a tensor recorded by reference was modified in place after its hook."""
-        return any(alias._version != version for alias, version in self._held)
+        return any(alias._version != version for alias, version in self._held.values())
+
+    def add(self, store: SiteStore, site: Site) -> None:
+        """``store.add(site)``; for ``"written"``, after checking the site's references."""
+        if self.by_reference != "written":
+            store.add(site)
+            return
+        mine = [self._held[id(t)] for t in iter_tensors((site.args, site.kwargs, site.output)) if id(t) in self._held]
+        if any(alias._version != version for alias, version in mine):
+            raise TensorChanged(f"{site.label}: a tensor it recorded was changed in place before it was written")
+        store.add(site)
+        for alias, _ in mine:  # written: later changes no longer matter
+            self._held.pop(id(alias), None)
+
+
+class TensorChanged(BlockdiffError):
+    """A tensor recorded by reference changed before it was written: capture again with copies."""
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -129,7 +148,7 @@ def capture(
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             site = open_sites[path].pop()
             site.output = snapshot(output)
-            store.add(site)
+            snapshot.add(store, site)
             return None
 
         return hook
@@ -151,22 +170,29 @@ def record(model: nn.Module, layout: Layout, store: SiteStore, inputs: Any, *, c
     ``torch.no_grad`` rather than ``inference_mode``: the same cost, but tensors keep the
     version counters that make sharing one copy between sites safe (:class:`Snapshots`).
 
-    Into a :class:`~blockdiff.store.MemoryStore` (a store with ``records_by_reference`` and
-    ``clear``), CPU tensors are recorded by reference,
-    not copied (a copy of every activation cost a tenth of the forward); if the model
-    modified one of them in place after its hook, the store is cleared and the forward
-    runs again with copies. Other stores (a dump being written), and ``copy``, get copies.
-    The store keeps the references' versions: ``store.changed()`` tells whether anything
-    changed them later.
+    CPU tensors are recorded by reference, not copied (a copy of every activation cost a
+    tenth of the forward), into a store whose ``records_by_reference`` says how:
+
+    - ``"kept"`` (:class:`~blockdiff.store.MemoryStore`, which has ``clear``): if the model
+      modified one of them in place after its hook, the store is cleared and the forward
+      runs again with copies. The store keeps the references' versions:
+      ``store.changed()`` tells whether anything changed them later;
+    - ``"written"`` (:class:`~blockdiff.dump.DumpWriter`): a site's tensors are checked as
+      it is written; a changed one raises :class:`TensorChanged` (capture again with
+      ``copy``).
+
+    Other stores, and ``copy``, get copies.
     """
-    by_reference = getattr(store, "records_by_reference", False) and not copy
+    by_reference = None if copy else getattr(store, "records_by_reference", None)
     snapshot = Snapshots(by_reference=by_reference)
     with capture(model, layout, store, snapshot=snapshot), torch.no_grad():
         output = run_model(model, inputs)
     del output  # nothing outside holds the model's output: it cannot change the record
-    if by_reference and snapshot.changed():
+    if by_reference != "kept":
+        return
+    if snapshot.changed():
         store.clear()
         with capture(model, layout, store), torch.no_grad():
             run_model(model, inputs)
-    elif by_reference:
+    else:
         store.references = snapshot

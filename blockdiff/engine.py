@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import __version__
-from .capture import record
+from .capture import TensorChanged, record
 from .dump import DumpReader, DumpWriter
 from .errors import BlockdiffError, DumpError, InputError, ModelRunError
 from .hookmap import HookMap, Layout, layout_from_dict, resolve
@@ -25,7 +25,7 @@ from .inputs import Inputs, check_inputs, check_vocab, digest, model_device, mod
 from .loading import parse_dtype
 from .localize import Localizer, NonfiniteScan, Side, check_block_counts, offline_drift
 from .report import Report
-from .store import BackgroundStore, MemoryStore, SiteStore, release_freed_memory
+from .store import MemoryStore, SiteStore, release_freed_memory
 from .tolerance import Tolerance, working_dtype
 
 
@@ -248,20 +248,21 @@ def capture(
 
 
 def _stream(side: str, model: nn.Module, layout: Layout, inputs: Inputs, path: str | Path, meta: dict, *, compress: str | None = None) -> None:
-    """Capture ``model`` into a dump, written by a background thread while the forward runs."""
-    with DumpWriter(path, meta=meta, compress=compress) as writer:
-        writer.add_inputs(inputs)
-        background = BackgroundStore(writer)
+    """Capture ``model`` into a dump, each site written as its call finishes.
+
+    Tensors are written from the model's own (no copies, see :func:`~blockdiff.capture.record`);
+    should the model change one in place before its site is written, the dump is thrown
+    away and the capture runs again with copies.
+    """
+    for copy in (False, True):
         try:
-            _run(side, _record, side, model, layout, background, inputs)
-        except BaseException:
-            try:
-                background.close()
-            except BaseException:
-                pass  # the capture's own error is the one to report
-            raise
-        background.close()
-    release_freed_memory()  # the copies written to the dump (see store.release_freed_memory)
+            with DumpWriter(path, meta=meta, compress=compress) as writer:
+                writer.add_inputs(inputs)
+                _run(side, _record, side, model, layout, writer, inputs, copy)
+        except TensorChanged:
+            continue
+        break
+    release_freed_memory()
 
 
 def _dump_side(name: str, dump: DumpReader, label: str | None) -> Side:
@@ -387,7 +388,7 @@ class _Counting:
     def __init__(self, store: SiteStore, what: str, total: int, report: Callable[[str, int, int], None]) -> None:
         self.store, self.meta, self.what, self.total, self.report = store, store.meta, what, total, report
         self.done = 0
-        self.records_by_reference = getattr(store, "records_by_reference", False)
+        self.records_by_reference = getattr(store, "records_by_reference", None)
 
     def clear(self) -> None:
         self.store.clear()

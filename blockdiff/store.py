@@ -34,7 +34,7 @@ class MemoryStore:
 
     # capture.record may hold the model's own CPU tensors here instead of copies (it checks
     # their version counters after the forward, and clears the store and copies if needed).
-    records_by_reference = True
+    records_by_reference = "kept"
 
     def __init__(self, meta: dict[str, Any] | None = None) -> None:
         self.meta: dict[str, Any] = dict(meta or {})
@@ -72,60 +72,6 @@ class MemoryStore:
         after = [s for s in self._outside if s.stage not in ("embed", "context")]
         blocks = [s for i in self.block_indices() for s in self._blocks[i]]
         return before + blocks + after
-
-
-class BackgroundStore:
-    """Adds sites to another store from a worker thread, so that writing a dump overlaps
-    the forward pass (torch releases the GIL inside its kernels; the writer uses it then).
-
-    At most ``max_pending`` sites wait in the queue, which bounds the memory held. An
-    error in the worker is raised by the next :meth:`add` or by :meth:`close`.
-
-    >>> with DumpWriter("ref.h5", meta={}) as writer:              # doctest: +SKIP
-    ...     background = BackgroundStore(writer)
-    ...     try:
-    ...         record(model, layout, background, ids)
-    ...     finally:
-    ...         background.close()
-    """
-
-    def __init__(self, store: SiteStore, *, max_pending: int = 16) -> None:
-        import queue
-        import threading
-
-        self.store = store
-        self.meta = store.meta
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._work, name="blockdiff-writer", daemon=True)
-        self._thread.start()
-
-    def _work(self) -> None:
-        while True:
-            site = self._queue.get()
-            if site is None:
-                return
-            if self._error is None:
-                try:
-                    self.store.add(site)
-                except BaseException as exc:  # handed to the capturing thread
-                    self._error = exc
-
-    def add(self, site: Site) -> None:
-        self._raise()
-        self._queue.put(site)
-
-    def close(self) -> None:
-        """Wait until every queued site is written; raise the worker's error, if any."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        self._raise()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
 
 
 def _malloc_trim():

@@ -31,30 +31,74 @@ def test_memory_capture_holds_the_models_tensors_without_copying(ids):
         assert _block_output(store, index).data_ptr() != _block_output(copied, index).data_ptr()
 
 
-def test_a_tensor_changed_in_place_after_its_hook_is_recorded_as_the_hook_saw_it(ids):
-    # Block 1 adds 1 to its input in place: that tensor is block 0's recorded output.
-    model = tinylm.build()
-    block = model.blocks[1]
+def _adding_in_place(model: torch.nn.Module, index: int) -> list:
+    """Block ``index`` adds 1 to its input in place: the previous block's recorded output
+    (and its own recorded input). Returns a list that grows by one per call."""
+    block = model.blocks[index]
     original = block.forward
-    forwards = []
+    calls = []
 
     def in_place(x, *args, **kwargs):
-        forwards.append(1)
+        calls.append(1)
         x.add_(1.0)
         return original(x, *args, **kwargs)
 
     block.forward = in_place
-    layout = resolve(model)
+    return calls
+
+
+def _copied(model: torch.nn.Module, ids: torch.Tensor) -> MemoryStore:
     copied = MemoryStore()
-    with capture(model, layout, copied), torch.no_grad():
+    with capture(model, resolve(model), copied), torch.no_grad():
         model(ids)
+    return copied
+
+
+def test_a_tensor_changed_in_place_after_its_hook_is_recorded_as_the_hook_saw_it(ids):
+    model = tinylm.build()
+    calls = _adding_in_place(model, 1)
+    copied = _copied(model, ids)
     store = MemoryStore()
-    forwards.clear()
-    record(model, layout, store, ids)
-    assert len(forwards) == 2  # the change was seen, and the forward ran again with copies
+    calls.clear()
+    record(model, resolve(model), store, ids)
+    assert len(calls) == 2  # the change was seen, and the forward ran again with copies
     assert len(store.block_sites(0)) == len(copied.block_sites(0))
     for index in range(4):
         assert torch.equal(_block_output(store, index), _block_output(copied, index))
+
+
+def test_a_dump_holds_what_the_hooks_saw_when_the_model_changes_tensors_in_place(ids, tmp_path):
+    from blockdiff.dump import DumpReader
+    from blockdiff.engine import capture as capture_dump
+
+    def sites(store, index):
+        return {(s.subpath, s.ordinal): s for s in store.block_sites(index)}
+
+    # Block 1 adds 1 to its input: block 0's output, already written. Nothing to redo.
+    model = tinylm.build()
+    calls = _adding_in_place(model, 1)
+    copied = _copied(model, ids)
+    calls.clear()
+    capture_dump(model, ids, tmp_path / "a.h5")
+    assert len(calls) == 1
+    # Block 2's FFN norm scales its input in place before its site is written: the dump
+    # is captured again, with copies.
+    norm = model.blocks[2].ffn_norm
+    original = norm.forward
+    norm.forward = lambda x: original(x.mul_(1.5))
+    copied_b = _copied(model, ids)
+    calls.clear()
+    capture_dump(model, ids, tmp_path / "b.h5")
+    assert len(calls) == 2
+    for path, expected in (("a.h5", copied), ("b.h5", copied_b)):
+        with DumpReader(tmp_path / path) as dump:
+            for index in range(4):
+                got, want = sites(dump, index), sites(expected, index)
+                assert got.keys() == want.keys()
+                for key, site in got.items():
+                    assert torch.equal(site.args[0], want[key].args[0]), (path, index, key)
+                    assert torch.equal(site.primary_output(), want[key].primary_output()), (path, index, key)
+    assert not list(tmp_path.glob(".*.tmp-*"))
 
 
 def _reusing_buffer(module: torch.nn.Module) -> None:
