@@ -101,16 +101,16 @@ def test_interrupt_removes_every_hook(after, ids):
 def test_write_error_mid_dump_is_one_line_and_leaves_no_file(tmp_path, capsys, monkeypatch):
     import h5py
 
-    real = h5py.Group.create_dataset
+    real = h5py.h5d.create  # how the dump creates its datasets
     calls = {"n": 0}
 
-    def failing(self, *args, **kwargs):
+    def failing(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 12:
             raise OSError(28, "No space left on device")
-        return real(self, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(h5py.Group, "create_dataset", failing)
+    monkeypatch.setattr(h5py.h5d, "create", failing)
     out = tmp_path / "ref.h5"
     with pytest.raises(SystemExit) as exited:
         main(["capture", "samples/tinylm.py:build", "--out", str(out)])
