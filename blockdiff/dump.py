@@ -42,6 +42,7 @@ import torch
 
 from .errors import DumpError
 from .site import Opaque, Site, describe_key
+from .store import release_freed_memory
 
 __all__ = ["DumpWriter", "DumpReader", "VerifySummary", "FORMAT", "SCHEMA_VERSION", "probe_file"]
 
@@ -1008,6 +1009,7 @@ class DumpReader:
         except BaseException:
             self.close()
             raise
+        release_freed_memory()  # what libhdf5 kept from walking every object of the file
 
     def _validate(self) -> None:
         f = self._file
