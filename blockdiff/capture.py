@@ -3,8 +3,8 @@
 Hooks are global state on someone else's model: :func:`capture` adds them and removes
 every one in ``finally``, whatever happens in between. Recording hooks return ``None``
 explicitly (anything else would replace the module's output) and keep copies of inputs
-and outputs — or, for :func:`record` into memory, references whose version counters prove
-afterwards that nothing changed them (:class:`Snapshots`).
+and outputs — or, for :func:`record` into memory or a dump, references whose version
+counters prove that nothing changed them before they were used (:class:`Snapshots`).
 """
 
 from __future__ import annotations
