@@ -44,15 +44,12 @@ class Snapshots:
         self.by_reference = by_reference
         self._cache: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         self._held: dict[int, tuple[torch.Tensor, int]] = {}
-        self.copies = 0
-        self.shared = 0
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         key = id(t)
         version = _version(t)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is t and version is not None and hit[1] == version:
-            self.shared += 1
             return hit[2]
         t_ = t.detach()
         if self.by_reference and version is not None and t_.device.type == "cpu":
@@ -68,7 +65,6 @@ class Snapshots:
         except TypeError:  # not weak-referenceable: no sharing
             return copy
         self._cache[key] = (ref, version, copy)
-        self.copies += 1
         return copy
 
     def __call__(self, obj: Any) -> Any:

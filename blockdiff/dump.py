@@ -862,9 +862,15 @@ class DumpWriter:
         self._meta_keys = list(self.meta)
 
     def _forget(self, path: str) -> None:
-        """Drop a deleted group and everything below it from the digest's record."""
-        for key in [k for k in self._objects if k == path or k.startswith(path + "/")]:
+        """Drop a deleted group and everything below it from the digest's record, and its
+        datasets from those later sites may link to."""
+        def inside(key: str) -> bool:
+            return key == path or key.startswith(path + "/")
+
+        for key in [k for k in self._objects if inside(k)]:
             del self._objects[key]
+        for key in [k for k, (_, where) in self._written.items() if inside(where)]:
+            del self._written[key]
 
 
 def _fsync(path: Path) -> None:

@@ -545,14 +545,17 @@ def test_writer_rejects_bad_options(tmp_path):
 
 def test_failed_add_leaves_no_partial_site(tmp_path):
     path = tmp_path / "d.h5"
+    written_by_the_failed_site = torch.full((2,), 7.0)
     with DumpWriter(path, meta=META) as writer:
         writer.add(_site(args=(torch.ones(2),)))
         with pytest.raises(DumpError, match="only dense tensors"):
-            writer.add(_site(block=1, args=(torch.ones(2), torch.eye(3).to_sparse())))
-        writer.add(_site(block=2, args=(torch.zeros(2),)))
+            writer.add(_site(block=1, args=(written_by_the_failed_site, torch.eye(3).to_sparse())))
+        # Its dataset went with the failed site: the tensor is written again, not linked.
+        writer.add(_site(block=2, args=(torch.zeros(2), written_by_the_failed_site)))
     with DumpReader(path) as dump:
         assert dump.block_indices() == [0, 2]
-        assert dump.verify_all().tensors == 2
+        assert dump.verify_all().tensors == 3
+        assert torch.equal(dump.block_sites(2)[0].args[1], written_by_the_failed_site)
 
 
 def _fingerprint(path: Path) -> list:
