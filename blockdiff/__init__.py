@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+from ._version import __version__  # noqa: E402
 
 # The errors import nothing heavy: loaded eagerly.
 from .errors import (  # noqa: E402

@@ -105,7 +105,8 @@ def tolerance_from(settings: Mapping[str, Any]) -> Tolerance:
     >>> tolerance_from({"policy": "fixed", "ffn": 0.05}).overrides
     {'ffn': 0.05}
     """
-    from .tolerance import TARGETS, Tolerance
+    from .tolerance import Tolerance
+    from .vocab import TARGETS
 
     unknown = [name for name in settings if name != POLICY and name not in TARGETS]
     if unknown:

@@ -40,6 +40,7 @@ import h5py
 import numpy as np
 import torch
 
+from .dtypes import dtype_name, stored_dtype
 from .errors import DumpError
 from .site import Opaque, Site, describe_key
 from .store import release_freed_memory
@@ -95,21 +96,9 @@ _RAW_BITS = {
 }
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype called ``name``; never anything else from the torch namespace."""
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r}")
-    return dtype
-
-
 def _blockdiff_version() -> str:
     try:
-        from . import __version__  # type: ignore[attr-defined]
+        from ._version import __version__
 
         return str(__version__)
     except ImportError:
@@ -338,7 +327,7 @@ def _encode_attr(key: str, value: Any) -> tuple[Any, bool]:
     if isinstance(value, np.generic):
         value = value.item()
     if isinstance(value, (torch.dtype, torch.device)):
-        value = _dtype_name(value) if isinstance(value, torch.dtype) else str(value)
+        value = dtype_name(value) if isinstance(value, torch.dtype) else str(value)
     if isinstance(value, str) and "\0" not in value:
         return value, False
     if isinstance(value, (bool, float)):
@@ -410,7 +399,7 @@ class _Encoder:
         if isinstance(obj, str):
             return {"type": "str", "value": str(obj)}
         if isinstance(obj, torch.dtype):
-            return {"type": "dtype", "value": _dtype_name(obj)}
+            return {"type": "dtype", "value": dtype_name(obj)}
         if isinstance(obj, torch.device):
             return {"type": "device", "value": str(obj)}
         if isinstance(obj, Opaque):
@@ -480,7 +469,7 @@ class _Encoder:
                 name, data=arr, chunks=_chunks(arr), fletcher32=fletcher32, **self.compression
             )
         attrs = {
-            "torch_dtype": _set_attr(dset, "torch_dtype", _dtype_name(t.dtype)),
+            "torch_dtype": _set_attr(dset, "torch_dtype", dtype_name(t.dtype)),
             "shape": _set_attr(dset, "shape", json.dumps(shape)),
         }
         if self.checksums:
@@ -525,7 +514,7 @@ class _Decoder:
         if kind == "str":
             return _expect(node["value"], str)
         if kind == "dtype":
-            return _torch_dtype(node["value"])
+            return stored_dtype(node["value"])
         if kind == "device":
             return torch.device(_expect(node["value"], str))
         if kind == "opaque":
@@ -546,7 +535,7 @@ class _Decoder:
             raise ValueError(f"{ref!r} is not a dataset")
         dset = self.group[ref]
         attrs = {k: _decode_attr(v) for k, v in entry.attrs.items()}
-        dtype = _torch_dtype(attrs["torch_dtype"])
+        dtype = stored_dtype(attrs["torch_dtype"])
         shape = [_expect(n, int) for n in _expect(json.loads(attrs["shape"]), list)]
         if dtype in _NUMPY_NATIVE:
             stored = np.dtype(_NUMPY_NATIVE[dtype])

@@ -16,13 +16,13 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from . import __version__
+from ._version import __version__
 from .capture import TensorChanged, record
 from .dump import DumpReader, DumpWriter
 from .errors import BlockdiffError, DumpError, InputError, ModelRunError
 from .hookmap import HookMap, Layout, layout_from_dict, resolve
 from .inputs import Inputs, check_inputs, check_vocab, digest, model_device, model_dtype
-from .loading import parse_dtype
+from .dtypes import dtype_name, parse_dtype
 from .localize import Localizer, NonfiniteScan, Side, check_block_counts, offline_drift
 from .report import Report
 from .store import MemoryStore, SiteStore, release_freed_memory
@@ -57,7 +57,7 @@ def describe_side(model: nn.Module, layout: Layout, label: str | None) -> dict[s
         "model": label or type(model).__name__,
         "class": type(model).__name__,
         "device": str(model_device(model)),
-        "dtype": str(model_dtype(model)).removeprefix("torch."),
+        "dtype": dtype_name(model_dtype(model)),
         "hook_map": layout.hook_map.name,
     }
 

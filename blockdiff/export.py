@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .dtypes import dtype_name
 from .dump import DumpReader
 from .errors import DumpError
 from .site import iter_tensors
@@ -73,7 +74,7 @@ def export_safetensors(dump_path: str | Path, out: str | Path) -> dict[str, Any]
         "format": MANIFEST_FORMAT,
         "file": out.name,
         "file_sha256": _file_digest(out),
-        "tensors": {k: {"sha256": _digest(t), "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for k, t in tensors.items()},
+        "tensors": {k: {"sha256": _digest(t), "dtype": dtype_name(t.dtype), "shape": list(t.shape)} for k, t in tensors.items()},
     }
     manifest_path(out).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return manifest

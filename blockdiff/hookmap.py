@@ -22,14 +22,13 @@ from typing import Any
 from torch import nn
 
 from .errors import HookMapError
-from .site import MODULE_SUBPATHS
+from .vocab import MODULE_SUBPATHS, OUTSIDE_STAGES, ROUTER_FORMATS
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-OUTSIDE_STAGES = ("embed", "context", "final_norm", "head")
 # ``HookMap.source`` of a map guessed by :func:`detect`; ``blockdiff arch`` prints it.
 AUTO_DETECTED = "auto-detected"
 
@@ -166,7 +165,6 @@ def parse(text: str, *, source: str) -> HookMap:
 
 
 def _parse_moe(raw: Any, source: str) -> dict[str, str]:
-    from .moe import FORMATS
 
     if not isinstance(raw, dict):
         raise HookMapError(f"hook map {source}: [blocks.moe] must be a table", source=source)
@@ -183,9 +181,9 @@ def _parse_moe(raw: Any, source: str) -> dict[str, str]:
             source=source,
         )
     fmt = raw.get("format", "topk")
-    if fmt not in FORMATS:
+    if fmt not in ROUTER_FORMATS:
         raise HookMapError(
-            f"hook map {source}: [blocks.moe] format {fmt!r} is unknown; expected {', '.join(FORMATS)}",
+            f"hook map {source}: [blocks.moe] format {fmt!r} is unknown; expected {', '.join(ROUTER_FORMATS)}",
             source=source,
         )
     out: dict[str, Any] = {"router": list(routers), "format": fmt}

@@ -21,34 +21,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .dtypes import parse_dtype  # noqa: F401  (re-exported: the CLI's import)
 from .errors import InputError, ModelSpecError
 from .weights import trained_looking_
 
 # Weight seed of models built from a config.json: fixed, so both sides agree.
 CONFIG_SEED = 0
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float64": torch.float64,
-    "fp64": torch.float64,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise InputError(
-            f"unknown dtype {name!r}; expected one of float32, float64, float16, bfloat16"
-        ) from None
-
 
 def parse_device(name: str) -> torch.device:
     """A device name; ``auto`` is CUDA when available, else the CPU.

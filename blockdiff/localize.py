@@ -47,6 +47,7 @@ from .moe import Decision, decision, router_checks
 from .moe_stats import moe_block_stats
 from .store import MemoryStore, SiteStore, release_freed_memory
 from .tolerance import Tolerance, working_dtype
+from .vocab import EXPERTS, OFFLINE_DRIFT, ROUTING_FLIPS
 
 
 @dataclass
@@ -369,7 +370,7 @@ class Localizer:
             experts_floor = metrics(ref_out, f_out, dtype=self.dtype).rel_l2
         checks.append(
             Check(
-                "experts (routing frozen at the reference's)",
+                EXPERTS,
                 c_ffn.module,
                 metrics(ref_out, out, dtype=self.dtype),
                 self.tolerance.threshold("ffn", self.dtype, experts_floor),
@@ -393,7 +394,7 @@ class Localizer:
         stats = moe_block_stats(ref.routing, cand.routing, capacity_factors=self.capacity_factors)
         local = None
         if ffn is not None:
-            flips = next((c for c in ffn.checks if c.what == "routing flips"), None)
+            flips = next((c for c in ffn.checks if c.what == ROUTING_FLIPS), None)
             local = None if flips is None else flips.details
         return {
             "block": index,
@@ -594,7 +595,7 @@ def offline_drift(
         drift = _drift(r, c, dtype)
         if drift is None:
             return None
-        return Check("drift (offline)", c.module, drift, tolerance.threshold(target, dtype, None))
+        return Check(OFFLINE_DRIFT, c.module, drift, tolerance.threshold(target, dtype, None))
 
     ref_out = {s.key: s for s in reference.outside_sites()}
     cand_out = {s.key: s for s in candidate.outside_sites()}

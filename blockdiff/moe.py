@@ -27,8 +27,8 @@ from .moe_stats import Routing
 from .report import Check
 from .site import iter_tensors
 from .tolerance import Threshold, Tolerance
+from .vocab import ROUTER_FORMATS, ROUTER_LOGITS, ROUTER_WEIGHTS, ROUTING_FLIPS
 
-FORMATS = ("topk", "switch")
 
 
 @dataclass
@@ -71,7 +71,7 @@ def decision(output: Any, fmt: str, *, capacity: int | None = None, what: str = 
         groups = dispatch.shape[0] if dispatch.dim() == 3 else 1
         routing = Routing(logits, indices, capacity=capacity, kept=kept, groups=groups)
         return Decision(routing, probs.reshape(-1, 1))
-    raise PairingError(f"{what}: unknown router format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    raise PairingError(f"{what}: unknown router format {fmt!r}; expected one of {', '.join(ROUTER_FORMATS)}")
 
 
 def _topk_sets_agree(a: Routing, b: Routing) -> torch.Tensor:
@@ -116,7 +116,7 @@ def router_checks(
 
     checks = []
     logit_floor = metrics(r.logits, floor.routing.logits, dtype=dtype).rel_l2 if floor else None
-    checks.append(Check("router logits", module, metrics(r.logits, c.logits, dtype=dtype), threshold(logit_floor)))
+    checks.append(Check(ROUTER_LOGITS, module, metrics(r.logits, c.logits, dtype=dtype), threshold(logit_floor)))
 
     agree = _topk_sets_agree(r, c)
     weight_floor = None
@@ -125,7 +125,7 @@ def router_checks(
         weight_floor = metrics(reference.dense[both], floor.dense[both], dtype=dtype).rel_l2
     checks.append(
         Check(
-            "router weights (tokens whose top-k agree)",
+            ROUTER_WEIGHTS,
             module,
             metrics(reference.dense[agree], candidate.dense[agree], dtype=dtype),
             threshold(weight_floor),
@@ -148,7 +148,7 @@ def router_checks(
     value = float((margin / allowed).max()) if margin.numel() else 0.0
     checks.append(
         Check(
-            "routing flips",
+            ROUTING_FLIPS,
             module,
             None,
             Threshold(1.0, "calibrated" if floor is not None else "fixed", None),

@@ -43,6 +43,7 @@ import pytest
 from . import assertion
 from .assertion import DivergenceError
 from .errors import BlockdiffError
+from .vocab import POLICIES
 
 if TYPE_CHECKING:
     from torch import nn
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 
 GOLDEN_DIR = "__blockdiff__"
 MARKER = "blockdiff"
-POLICIES = ("fixed", "calibrated")
 # Keyword arguments of the fixture methods that go to the engine rather than the tolerance.
 ENGINE_OPTIONS = ("reference_hooks", "candidate_hooks", "fast_path", "capacity_factors", "labels")
 _MAX_NAME = 120

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .compare import Metrics, json_number
-from .site import SUBPATHS
+from .vocab import PART_OF, SUBPATHS, UNATTRIBUTED
 from .tolerance import Threshold
 
 SCHEMA = "blockdiff.report/1"
@@ -70,11 +70,7 @@ class Check:
     @property
     def part(self) -> str | None:
         """``router`` or ``experts`` for the checks of an MoE block's ffn."""
-        if self.what.startswith(("router", "routing")):
-            return "router"
-        if self.what.startswith("experts"):
-            return "experts"
-        return None
+        return PART_OF.get(self.what)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"what": self.what, "module": self.module, "metric": self.metric}
@@ -225,7 +221,7 @@ class Report:
                     assert worst is not None
                     if name == "residual" and block.unmapped:
                         # Modules outside every sub-path ran unfrozen: the glue is not alone.
-                        name = "unattributed"
+                        name = UNATTRIBUTED
                     found.append(
                         (result.order, Divergence("block", block.index, name, worst.module, worst, block.stack))
                     )
@@ -234,7 +230,7 @@ class Report:
                 # The block diverges but no sub-path explains it: never pass it silently.
                 # (A sub-path the user tolerated with an override does explain it.)
                 found.append(
-                    (block.order, Divergence("block", block.index, "unattributed", block.module, block.block, block.stack))
+                    (block.order, Divergence("block", block.index, UNATTRIBUTED, block.module, block.block, block.stack))
                 )
         return [d for _, d in sorted(found, key=lambda pair: pair[0])]
 

@@ -19,9 +19,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-STAGES = ("embed", "context", "block", "final_norm", "head")
-SUBPATHS = ("attention", "ffn", "norm", "residual")
-MODULE_SUBPATHS = ("attention", "ffn", "norm")
+from .vocab import MODULE_SUBPATHS, STAGES, SUBPATHS  # noqa: F401  (re-exported)
+
 
 # Argument names under which implementations pass the hidden state, tried in order when
 # a call has no positional argument (HF Llama-family attention is called keyword-only).

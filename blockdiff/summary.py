@@ -11,13 +11,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .dtypes import dtype_name
 from .dump import DumpReader
 from .site import Site, describe_key, iter_tensors
 
 
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     """Shape, dtype and (floating tensors) mean, std, min, max and non-finite count."""
-    out: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    out: dict[str, Any] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
     if t.is_floating_point() and t.numel():
         x = t.detach().to(torch.float64)
         finite = x[torch.isfinite(x)]

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dtypes import dtype_name
 from .errors import InputError
+from .vocab import POLICIES, TARGETS
 
 # Fixed thresholds on relative L2, per dtype of the lower-precision side. Measured on the
 # sample and tiny HF Llama/Qwen3 with trained-looking weights: clean bfloat16 local errors
@@ -39,8 +41,6 @@ MULTIPLIER = {torch.float64: 2.0, torch.float32: 2.0, torch.float16: 3.0, torch.
 # still tolerates reordered arithmetic.
 ATOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
-POLICIES = ("fixed", "calibrated")
-TARGETS = ("embed", "context", "attention", "ffn", "norm", "residual", "block", "final_norm", "head")
 
 _PRECISION = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 0}
 
@@ -124,7 +124,7 @@ class Tolerance:
     def to_dict(self, dtype: torch.dtype) -> dict:
         return {
             "policy": self.policy,
-            "dtype": str(dtype).removeprefix("torch."),
+            "dtype": dtype_name(dtype),
             "multiplier": self.multiplier_for(dtype),
             "atol": self.atol if self.atol is not None else ATOL.get(dtype, 1e-5),
             "fixed": self.fixed if self.fixed is not None else FIXED.get(dtype, FIXED[torch.float32]),

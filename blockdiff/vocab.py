@@ -1,0 +1,45 @@
+"""Vocabulary: the words of DESIGN.md as types, in one module that imports nothing of blockdiff.
+
+Every other module takes its stage, sub-path, tolerance-target, router-format and
+check-kind names from here, so a new word is added in one place and a typo is a type error
+rather than a silently unmatched string.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Stage = Literal["embed", "context", "block", "final_norm", "head"]
+OutsideStage = Literal["embed", "context", "final_norm", "head"]
+Subpath = Literal["attention", "ffn", "norm", "residual"]
+ModuleSubpath = Literal["attention", "ffn", "norm"]
+# A block's sub-path as recorded by capture: a module sub-path, or an MoE's router.
+SiteSubpath = Literal["attention", "ffn", "norm", "router"]
+Policy = Literal["fixed", "calibrated"]
+Target = Literal["embed", "context", "attention", "ffn", "norm", "residual", "block", "final_norm", "head"]
+RouterFormat = Literal["topk", "switch"]
+
+STAGES: tuple[Stage, ...] = get_args(Stage)
+OUTSIDE_STAGES: tuple[OutsideStage, ...] = get_args(OutsideStage)
+SUBPATHS: tuple[Subpath, ...] = get_args(Subpath)
+MODULE_SUBPATHS: tuple[ModuleSubpath, ...] = get_args(ModuleSubpath)
+POLICIES: tuple[Policy, ...] = get_args(Policy)
+TARGETS: tuple[Target, ...] = get_args(Target)
+ROUTER_FORMATS: tuple[RouterFormat, ...] = get_args(RouterFormat)
+# Stages whose sites run before the blocks.
+BEFORE_BLOCKS: tuple[OutsideStage, ...] = ("embed", "context")
+
+# The block-level check: the candidate block on the reference input with nothing frozen.
+# Its tolerance target and report column are "block" ("whole" in the terminal table); a
+# divergence it shows that no sub-path explains is blamed on the sub-path "unattributed".
+BLOCK_TARGET: Target = "block"
+UNATTRIBUTED = "unattributed"
+
+# What a check compared (``Check.what``) for the checks whose kind matters downstream.
+ROUTER_LOGITS = "router logits"
+ROUTER_WEIGHTS = "router weights (tokens whose top-k agree)"
+ROUTING_FLIPS = "routing flips"
+EXPERTS = "experts (routing frozen at the reference's)"
+OFFLINE_DRIFT = "drift (offline)"
+# The part of an MoE ffn a check judges (``Check.part``), by its kind.
+PART_OF = {ROUTER_LOGITS: "router", ROUTER_WEIGHTS: "router", ROUTING_FLIPS: "router", EXPERTS: "experts"}
