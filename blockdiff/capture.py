@@ -1,17 +1,20 @@
-"""Capture: forward hooks that record every site of a layout into a store.
+"""Capture: forward hooks that record every site of a layout into a store, and the copy policy.
 
 Hooks are global state on someone else's model: :func:`capture` adds them and removes
 every one in ``finally``, whatever happens in between. Recording hooks return ``None``
-explicitly (anything else would replace the module's output) and keep copies of inputs
-and outputs — or, for :func:`record` into memory or a dump, references whose version
-counters prove that nothing changed them before they were used (:class:`Snapshots`).
+explicitly (anything else would replace the module's output).
+
+This module owns when tensors are copied. A store is a plain sink (``add``); what it is
+handed is decided here (:class:`Snapshots`): copies, or the model's own CPU tensors held by
+reference and proven unchanged by their version counters. When one did change, the one
+retry loop, :func:`with_copies`, runs the whole attempt again with copies.
 """
 
 from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -19,7 +22,7 @@ from torch import nn
 from .hookmap import Layout
 from .inputs import run_model
 from .errors import BlockdiffError
-from .site import Site, iter_tensors, map_structure
+from .site import Site, iter_tensors, map_structure, recorded_copy
 from .store import SiteStore
 
 
@@ -56,7 +59,7 @@ class Snapshots:
             self._held[id(t_)] = (t_, version)
             copy = t_
         else:
-            copy = t_.to("cpu", copy=True) if t_.device.type != "cpu" else t_.clone()
+            copy = recorded_copy(t_)
         if version is None:  # an inference tensor has no version counter: no sharing
             return copy
         try:
@@ -100,10 +103,16 @@ def _version(t: torch.Tensor) -> int | None:
 
 @contextmanager
 def capture(
-    model: nn.Module, layout: Layout, store: SiteStore, *, snapshot: Snapshots | None = None
+    model: nn.Module,
+    layout: Layout,
+    store: SiteStore,
+    *,
+    snapshot: Snapshots | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[SiteStore]:
     """Record every site of ``layout`` that runs inside the ``with`` body into ``store``
-    (copies of every tensor, unless ``snapshot`` says otherwise).
+    (copies of every tensor, unless ``snapshot`` says otherwise). ``progress(done, total)``
+    is called as each block's own call finishes.
 
     >>> with capture(model, layout, MemoryStore()) as store:   # doctest: +SKIP
     ...     model(ids)
@@ -114,6 +123,7 @@ def capture(
     ordinals: dict[tuple, int] = {}
     open_sites: dict[str, list[Site]] = {}
     order = [0]
+    blocks_done = [0]
     handles = []
 
     def pre_hook(path: str, where: tuple[str, int | None, str | None]):
@@ -145,6 +155,9 @@ def capture(
             site = open_sites[path].pop()
             site.output = snapshot(output)
             snapshot.add(store, site)
+            if progress is not None and site.stage == "block" and site.subpath is None:
+                blocks_done[0] += 1
+                progress(blocks_done[0], len(layout.blocks))
             return None
 
         return hook
@@ -160,35 +173,88 @@ def capture(
             handle.remove()
 
 
-def record(model: nn.Module, layout: Layout, store: SiteStore, inputs: Any, *, copy: bool = False) -> None:
+Hold = Literal["kept", "written"]
+T = TypeVar("T")
+
+
+class Recording:
+    """One forward recorded into a store, and what it holds by reference.
+
+    ``changed()`` says whether the model has since modified, in place, a tensor the store
+    holds by reference: then the store no longer holds what the hooks saw.
+    """
+
+    def __init__(self, store: SiteStore, snapshots: Snapshots) -> None:
+        self.store = store
+        self._snapshots = snapshots
+
+    def changed(self) -> bool:
+        return self._snapshots.changed()
+
+
+def record_once(
+    model: nn.Module,
+    layout: Layout,
+    store: SiteStore,
+    inputs: Any,
+    *,
+    hold: Hold | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Recording:
     """Run ``model`` on ``inputs`` without autograd, recording into ``store``.
 
     ``torch.no_grad`` rather than ``inference_mode``: the same cost, but tensors keep the
-    version counters that make sharing one copy between sites safe (:class:`Snapshots`).
+    version counters that make holding and sharing them safe (:class:`Snapshots`).
 
-    CPU tensors are recorded by reference, not copied (a copy of every activation cost a
-    tenth of the forward), into a store whose ``records_by_reference`` says how:
+    Args:
+        hold: how CPU tensors reach the store. ``None``: copies. ``"kept"`` (a store in
+            memory): the model's own tensors, checked after the forward; a change raises
+            :class:`TensorChanged`, and ``Recording.changed()`` checks again later.
+            ``"written"`` (a dump): the model's own tensors, each site's checked just
+            before it is written (a change raises :class:`TensorChanged`). A copy of every
+            activation cost a tenth of the forward.
+        progress: ``progress(done, total)`` per finished block.
 
-    - ``"kept"`` (:class:`~blockdiff.store.MemoryStore`, which has ``clear``): if the model
-      modified one of them in place after its hook, the store is cleared and the forward
-      runs again with copies. The store keeps the references' versions:
-      ``store.changed()`` tells whether anything changed them later;
-    - ``"written"`` (:class:`~blockdiff.dump.DumpWriter`): a site's tensors are checked as
-      it is written; a changed one raises :class:`TensorChanged` (capture again with
-      ``copy``).
-
-    Other stores, and ``copy``, get copies.
+    Raises:
+        TensorChanged: a tensor held by reference changed: run again with copies
+            (:func:`with_copies`).
     """
-    by_reference = None if copy else getattr(store, "records_by_reference", None)
-    snapshot = Snapshots(by_reference=by_reference)
-    with capture(model, layout, store, snapshot=snapshot), torch.no_grad():
+    snapshot = Snapshots(by_reference=hold)
+    with capture(model, layout, store, snapshot=snapshot, progress=progress), torch.no_grad():
         output = run_model(model, inputs)
     del output  # nothing outside holds the model's output: it cannot change the record
-    if by_reference != "kept":
-        return
-    if snapshot.changed():
+    recording = Recording(store, snapshot)
+    if recording.changed():
+        raise TensorChanged("a tensor recorded by reference was changed in place after its hook")
+    return recording
+
+
+def with_copies(attempt: Callable[[bool], T]) -> T:
+    """The one retry loop of the copy policy: ``attempt(False)`` holds the model's own
+    tensors; should it raise :class:`TensorChanged`, ``attempt(True)`` runs on copies."""
+    try:
+        return attempt(False)
+    except TensorChanged:
+        return attempt(True)
+
+
+def record(
+    model: nn.Module,
+    layout: Layout,
+    store: Any,
+    inputs: Any,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> Recording:
+    """Record ``model`` into an in-memory store (one with ``clear``), holding its own CPU
+    tensors; if the model changed one in place during the forward, the store is cleared
+    and the forward runs again with copies.
+
+    >>> record(model, resolve(model), store := MemoryStore(), ids)   # doctest: +SKIP
+    """
+
+    def attempt(copy: bool) -> Recording:
         store.clear()
-        with capture(model, layout, store), torch.no_grad():
-            run_model(model, inputs)
-    else:
-        store.references = snapshot
+        return record_once(model, layout, store, inputs, hold=None if copy else "kept", progress=progress)
+
+    return with_copies(attempt)

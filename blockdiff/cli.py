@@ -54,16 +54,13 @@ def _console() -> Console:
 
 
 def _parse_tolerances(values: tuple[str, ...]) -> dict[str, float]:
-    overrides: dict[str, float] = {}
-    for item in values:
-        name, sep, number = item.partition("=")
-        try:
-            if not sep:
-                raise ValueError
-            overrides[name.strip()] = float(number)
-        except ValueError:
-            raise click.BadParameter(f"expected SUBPATH=VALUE (e.g. ffn=0.05), found {item!r}", param_hint="--tol") from None
-    return overrides
+    from .errors import InputError
+    from .tolerance import Tolerance
+
+    try:
+        return dict(Tolerance.parse_override(item) for item in values)
+    except InputError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tol") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -190,6 +187,8 @@ def diff_command(
       blockdiff diff ref.h5 cand.h5
       blockdiff diff samples/tinylm.py:build samples/bugs.py:post_norm --plot bug.png --html bug.html
     """
+    from functools import partial
+
     from . import engine, hookmap
     from .loading import build_model, is_dump, parse_device, parse_dtype
     from .tolerance import Tolerance
@@ -206,65 +205,30 @@ def diff_command(
     r_device, r_dtype = parse_device(ref_device), parse_dtype(ref_dtype)
     c_device = parse_device(cand_device) if cand_device else r_device
     c_dtype = parse_dtype(cand_dtype) if cand_dtype else r_dtype
-    tolerance = Tolerance(policy=policy, overrides=overrides)
-    r_map = hookmap.load(ref_hooks or hooks_path) if (ref_hooks or hooks_path) else None
-    c_map = hookmap.load(cand_hooks or hooks_path) if (cand_hooks or hooks_path) else None
-    ref_dump = is_dump(reference)
-    if candidate is None:
-        if ref_dump:
-            raise click.UsageError("a reference dump needs a CANDIDATE (a model to replay, or a second dump)")
-        candidate = reference
-    cand_dump = is_dump(candidate)
-    if save_dumps and (ref_dump or cand_dump):
-        raise click.UsageError("--save-dumps keeps the captures of a live diff; here a side is already a dump")
-    factors = capacity_factors or (1.0, 1.25)
-    if cand_dump and not ref_dump:
-        raise click.UsageError("a candidate dump needs a reference dump: blockdiff diff REF.h5 CAND.h5")
-    if ref_dump and cand_dump:
-        report = engine.compare_dumps(reference, candidate, tolerance=tolerance, labels=(reference, candidate))
-    elif ref_dump:
-        cand_model = build_model(candidate, device=c_device, dtype=c_dtype)
-        report = engine.replay(
-            reference,
-            cand_model,
-            tolerance=tolerance,
-            candidate_hooks=c_map,
+
+    def side(spec: str | None, device, dtype):
+        if spec is None or is_dump(spec):
+            return spec
+        return partial(build_model, spec, device=device, dtype=dtype)
+
+    # A missing CANDIDATE builds the reference's spec again, in the candidate's device and dtype.
+    cand_spec = candidate if candidate is not None or is_dump(reference) else reference
+    report = engine.run(
+        side(reference, r_device, r_dtype),
+        side(cand_spec, c_device, c_dtype),
+        tokens or engine.RandomTokens(batch=batch, seq=seq, seed=seed),
+        options=engine.Options(
+            tolerance=Tolerance(policy=policy, overrides=overrides),
+            reference_hooks=hookmap.load(ref_hooks or hooks_path) if (ref_hooks or hooks_path) else None,
+            candidate_hooks=hookmap.load(cand_hooks or hooks_path) if (cand_hooks or hooks_path) else None,
             fast_path=fast,
-            capacity_factors=factors,
-            labels=(reference, candidate),
-        )
-    else:
-        ref_model = build_model(reference, device=r_device, dtype=r_dtype)
-        cand_model = build_model(candidate, device=c_device, dtype=c_dtype)
-        ids = _token_ids(ref_model, r_map, tokens=tokens, batch=batch, seq=seq, seed=seed)
-        report = engine.diff(
-            ref_model,
-            cand_model,
-            ids,
-            tolerance=tolerance,
-            reference_hooks=r_map,
-            candidate_hooks=c_map,
-            fast_path=fast,
-            capacity_factors=factors,
-            labels=(reference, candidate),
+            capacity_factors=capacity_factors or (1.0, 1.25),
+            labels=(reference, candidate or reference),
             save_dumps=save_dumps,
             stream=stream,
-        )
+        ),
+    )
     _emit(report, json_path=json_path, quiet=quiet, plot_path=plot_path, html_path=html_path)
-
-
-def _token_ids(model, hook_map, *, tokens: str | None, batch: int, seq: int, seed: int):
-    """Token ids from --tokens, or random ones within the model's vocabulary."""
-    from . import hookmap
-    from .engine import vocab_size
-    from .inputs import load_tokens, random_tokens
-
-    if tokens:
-        return load_tokens(tokens)
-    vocab = vocab_size(model, hookmap.resolve(model, hook_map))
-    if vocab is None:
-        raise BlockdiffError("cannot tell the model's vocabulary size; give token ids with --tokens")
-    return random_tokens(batch=batch, seq=seq, vocab=vocab, seed=seed)
 
 
 def _write(what: str, path: str, write: Callable[[], None]) -> None:
@@ -370,7 +334,7 @@ def capture_command(
     r_device, r_dtype = parse_device(device), parse_dtype(dtype)
     hook_map = hookmap.load(hooks_path) if hooks_path else None
     built = build_model(model, device=r_device, dtype=r_dtype)
-    ids = _token_ids(built, hook_map, tokens=tokens, batch=batch, seq=seq, seed=seed)
+    ids = engine.inputs_for(built, hook_map, tokens or engine.RandomTokens(batch=batch, seq=seq, seed=seed))
     engine.capture(built, ids, out, hooks=hook_map, compress=compress, label=model)
     click.echo(f"wrote {out}")
 

@@ -1,7 +1,18 @@
-"""Engine: the whole diff — capture both sides, localize block by block, build the report.
+"""Engine: the whole diff — choose the mode, record both sides, localize, build the report.
 
-:func:`diff` is the library's entry point; the CLI and the pytest plugin only prepare its
-arguments.
+:func:`run` is the one entry point the CLI and the pytest plugin call: each side may be a
+model, a factory returning one, or a dump, and the pairing picks the mode:
+
+=============  =============  ==================================================================
+reference      candidate      mode
+=============  =============  ==================================================================
+model          model          live diff (:func:`diff`): full localization, calibrated floors
+dump           model          replay (:func:`replay`): the candidate runs on the dump's inputs
+dump           dump           offline comparison (:func:`compare_dumps`): drift at every site
+=============  =============  ==================================================================
+
+:func:`diff`, :func:`replay` and :func:`compare_dumps` are the modes themselves (public API);
+:func:`capture` writes a dump.
 """
 
 from __future__ import annotations
@@ -10,23 +21,26 @@ import contextvars
 import datetime as _dt
 import tempfile
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Union
 
 import torch
 from torch import nn
 
 from ._version import __version__
-from .capture import TensorChanged, record
+from .capture import TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
 from .errors import BlockdiffError, DumpError, InputError, ModelRunError
-from .hookmap import HookMap, Layout, layout_from_dict, resolve
-from .inputs import Inputs, check_inputs, check_vocab, digest, model_device, model_dtype
-from .dtypes import dtype_name, parse_dtype
-from .localize import Localizer, NonfiniteScan, Side, check_block_counts, offline_drift
+from .hookmap import HookMap, Layout, resolve
+from .inputs import Inputs, check_inputs, check_vocab, digest, load_tokens, random_tokens
+from .loading import is_dump
+from .localize import Localizer, NonfiniteScan
+from .pairing import check_block_counts
 from .report import Report
-from .store import MemoryStore, SiteStore, release_freed_memory
-from .tolerance import Tolerance, working_dtype
+from .sides import DumpSide, LiveSide, Side, describe
+from .store import MemoryStore, release_freed_memory
+from .tolerance import Tolerance
 
 
 @contextmanager
@@ -52,14 +66,148 @@ def vocab_size(model: nn.Module, layout: Layout) -> int | None:
     return getattr(config, "vocab_size", None)
 
 
-def describe_side(model: nn.Module, layout: Layout, label: str | None) -> dict[str, Any]:
-    return {
-        "model": label or type(model).__name__,
-        "class": type(model).__name__,
-        "device": str(model_device(model)),
-        "dtype": dtype_name(model_dtype(model)),
-        "hook_map": layout.hook_map.name,
-    }
+# -- choosing the mode ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RandomTokens:
+    """Random token ids within the reference's vocabulary (the CLI's ``--batch/--seq/--seed``)."""
+
+    batch: int = 2
+    seq: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a run judges and what it keeps; every field as for :func:`diff`."""
+
+    tolerance: Tolerance | None = None
+    reference_hooks: HookMap | None = None
+    candidate_hooks: HookMap | None = None
+    fast_path: bool = False
+    capacity_factors: tuple[float, ...] = (1.0, 1.25)
+    labels: tuple[str | None, str | None] = (None, None)
+    save_dumps: str | Path | None = None
+    stream: bool = False
+
+
+# A side as run() takes it: a model, a callable returning one, or a dump's path.
+SideSpec = Union[nn.Module, Callable[[], nn.Module], str, Path]
+
+
+def _dump_path(spec: SideSpec | None) -> Path | None:
+    if isinstance(spec, (str, Path)):
+        if not is_dump(str(spec)):
+            raise InputError(f"{spec}: not a dump (.h5); give a model or a factory returning one")
+        return Path(spec)
+    return None
+
+
+def _build(name: str, spec: SideSpec) -> nn.Module:
+    """The model a side spec stands for: the model itself, or what its factory returns."""
+    if isinstance(spec, nn.Module):
+        return spec
+    model = _run(name, spec)
+    if not isinstance(model, nn.Module):
+        raise InputError(f"the {name} factory returned a {type(model).__name__}, expected a torch nn.Module")
+    return model
+
+
+def run(
+    reference: SideSpec,
+    candidate: SideSpec | None = None,
+    inputs: Inputs | RandomTokens | str | Path | None = None,
+    *,
+    options: Options | None = None,
+) -> Report:
+    """Diff, replay or compare, as the two sides ask (see the module's table).
+
+    Args:
+        reference: a model, a factory (a callable returning a model) or a dump's path.
+        candidate: the same kinds; ``None`` calls the reference's factory again (so
+            ``--cand-dtype`` alone compares precisions: the factory builds each side).
+        inputs: model inputs (token ids, a tuple of positional arguments, a dict of
+            keyword arguments), a token file (``.json`` or ``.safetensors``), or
+            :class:`RandomTokens` (the default) drawn within the reference's vocabulary.
+            A dump reference brings its own inputs: concrete inputs must be the same.
+        options: tolerance, hook maps, fast path, labels, dumps to keep.
+
+    Raises:
+        InputError: a pairing of sides that has no mode (a candidate dump against a live
+            reference, a reference dump alone), or inputs that do not fit.
+
+    >>> run("ref.h5", bugs.gelu_for_silu).first_divergence.subpath   # doctest: +SKIP
+    'ffn'
+    """
+    options = options or Options()
+    ref_dump = _dump_path(reference)
+    if candidate is None:
+        if ref_dump is not None:
+            raise InputError("a reference dump needs a CANDIDATE (a model to replay, or a second dump)")
+        if isinstance(reference, nn.Module):
+            raise InputError("a reference model alone cannot be diffed: give a candidate, or a factory to build both sides")
+        candidate = reference
+    cand_dump = _dump_path(candidate)
+    if cand_dump is not None and ref_dump is None:
+        raise InputError("a candidate dump needs a reference dump: blockdiff diff REF.h5 CAND.h5")
+    if options.save_dumps is not None and (ref_dump or cand_dump):
+        raise InputError("--save-dumps keeps the captures of a live diff; here a side is already a dump")
+    common = dict(tolerance=options.tolerance, labels=options.labels)
+    if ref_dump is not None and cand_dump is not None:
+        return compare_dumps(ref_dump, cand_dump, **common)
+    if ref_dump is not None:
+        cand_model = _build("candidate", candidate)
+        given = None if inputs is None or isinstance(inputs, RandomTokens) else _concrete(inputs)
+        return replay(
+            ref_dump,
+            cand_model,
+            inputs=given,
+            candidate_hooks=options.candidate_hooks,
+            fast_path=options.fast_path,
+            capacity_factors=options.capacity_factors,
+            **common,
+        )
+    ref_model = _build("reference", reference)
+    cand_model = _build("candidate", candidate)
+    return diff(
+        ref_model,
+        cand_model,
+        inputs_for(ref_model, options.reference_hooks, inputs),
+        reference_hooks=options.reference_hooks,
+        candidate_hooks=options.candidate_hooks,
+        fast_path=options.fast_path,
+        capacity_factors=options.capacity_factors,
+        save_dumps=options.save_dumps,
+        stream=options.stream,
+        **common,
+    )
+
+
+def _concrete(inputs: Inputs | str | Path) -> Inputs:
+    return load_tokens(inputs) if isinstance(inputs, (str, Path)) else inputs
+
+
+def inputs_for(model: nn.Module, hooks: HookMap | None, inputs: Inputs | RandomTokens | str | Path | None) -> Inputs:
+    """Concrete inputs: as given, read from a token file, or random token ids within the
+    model's vocabulary."""
+    if inputs is not None and not isinstance(inputs, RandomTokens):
+        return _concrete(inputs)
+    spec = inputs or RandomTokens()
+    vocab = vocab_size(model, resolve(model, hooks))
+    if vocab is None:
+        raise InputError("cannot tell the model's vocabulary size; give token ids (--tokens FILE)")
+    return random_tokens(batch=spec.batch, seq=spec.seq, vocab=vocab, seed=spec.seed)
+
+
+# -- the modes --------------------------------------------------------------------------------
+
+
+def _live_side(name: str, model: nn.Module, hooks: HookMap | None, inputs: Inputs, label: str | None) -> LiveSide:
+    side = LiveSide(name, model, resolve(model, hooks), label=label)
+    if isinstance(inputs, torch.Tensor):
+        check_vocab(inputs, vocab_size(model, side.layout), side=name if name != "captured" else "model")
+    return side
 
 
 def diff(
@@ -111,68 +259,137 @@ def diff(
     if reference is candidate:
         raise InputError("reference and candidate are the same object; pass two separate models")
     check_inputs(inputs)
-    ref_layout = resolve(reference, reference_hooks)
-    cand_layout = resolve(candidate, candidate_hooks)
-    check_block_counts(len(ref_layout.blocks), len(cand_layout.blocks))
-    if isinstance(inputs, torch.Tensor):
-        check_vocab(inputs, vocab_size(reference, ref_layout), side="reference")
-        check_vocab(inputs, vocab_size(candidate, cand_layout), side="candidate")
+    ref = _live_side("reference", reference, reference_hooks, inputs, labels[0])
+    cand = _live_side("candidate", candidate, candidate_hooks, inputs, labels[1])
+    check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
+    localize = lambda: _localize(ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=capacity_factors)  # noqa: E731
     with ExitStack() as stack:
         stack.enter_context(eval_mode(reference))
         stack.enter_context(eval_mode(candidate))
-        ref_meta = describe_side(reference, ref_layout, labels[0])
-        cand_meta = describe_side(candidate, cand_layout, labels[1])
-        if save_dumps is not None or stream:
-            folder = Path(save_dumps) if save_dumps is not None else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="blockdiff-")))
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise DumpError(f"cannot create {folder}: {exc.strerror or exc}", path=str(folder)) from None
-            stores = []
-            for name, model, layout, meta in (
-                ("reference", reference, ref_layout, ref_meta),
-                ("candidate", candidate, cand_layout, cand_meta),
-            ):
-                path = folder / f"{name}.h5"
-                _stream(name, model, layout, inputs, path, _dump_meta(meta, inputs, layout))
-                # The dumps were just written by this process: no need to probe them.
-                reader = stack.enter_context(DumpReader(path, probe=False))
-                reader.meta = meta
-                stores.append(reader)
-            ref_store, cand_store = stores
+        if save_dumps is None and not stream:
+            return _in_memory([ref, cand], inputs, localize)
+        if save_dumps is not None:
+            folder = Path(save_dumps)
         else:
-            return _in_memory(
-                [("reference", reference, ref_layout, ref_meta), ("candidate", candidate, cand_layout, cand_meta)],
-                inputs,
-                lambda stores: _localize(
-                    Side("reference", reference, ref_layout, stores[0]),
-                    Side("candidate", candidate, cand_layout, stores[1]),
-                    inputs,
-                    tolerance,
-                    fast_path=fast_path,
-                    capacity_factors=capacity_factors,
-                ),
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="blockdiff-")))
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DumpError(f"cannot create {folder}: {exc.strerror or exc}", path=str(folder)) from None
+        for side in (ref, cand):
+            path = folder / f"{side.name}.h5"
+            _stream(side, inputs, path)
+            # The dumps were just written by this process: no need to probe them.
+            side.store = stack.enter_context(DumpReader(path, probe=False))
+        return localize()
+
+
+def replay(
+    reference: str | Path,
+    candidate: nn.Module,
+    *,
+    inputs: Inputs | None = None,
+    tolerance: Tolerance | None = None,
+    candidate_hooks: HookMap | None = None,
+    fast_path: bool = False,
+    capacity_factors: tuple[float, ...] = (1.0, 1.25),
+    labels: tuple[str | None, str | None] = (None, None),
+) -> Report:
+    """Run a live ``candidate`` on a reference dump's inputs and localize against it.
+
+    The reference is read block by block from the dump. Without live reference modules
+    there are no calibrated noise floors: the fixed thresholds judge, and the report says so.
+    ``inputs``, when given, must be the ones the dump was captured on.
+    """
+    with DumpReader(reference) as dump:
+        stored = dump.inputs()
+        if stored is None:
+            raise DumpError(f"{reference}: the dump holds no model inputs to replay", path=str(reference))
+        if inputs is not None and digest(check_inputs(inputs)) != digest(stored):
+            raise InputError(
+                f"{reference} was captured on other inputs (digest {digest(stored)}) than these "
+                f"(digest {digest(inputs)}); replay uses the dump's own inputs"
             )
-        return _localize(
-            Side("reference", reference, ref_layout, ref_store),
-            Side("candidate", candidate, cand_layout, cand_store),
-            inputs,
-            tolerance,
-            fast_path=fast_path,
-            capacity_factors=capacity_factors,
-        )
+        ref = DumpSide("reference", dump, label=labels[0])
+        cand = _live_side("candidate", candidate, candidate_hooks, stored, labels[1])
+        check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
+        with eval_mode(candidate):
+            report = _in_memory(
+                [cand],
+                stored,
+                lambda: _localize(ref, cand, stored, tolerance, fast_path=fast_path, capacity_factors=capacity_factors),
+            )
+    report.notes.insert(0, f"replay: the reference is the dump {reference}")
+    return report
+
+
+def compare_dumps(
+    reference: str | Path,
+    candidate: str | Path,
+    *,
+    tolerance: Tolerance | None = None,
+    labels: tuple[str | None, str | None] = (None, None),
+) -> Report:
+    """Compare two dumps offline: drift at every site, judged against fixed thresholds.
+
+    Local errors need a live candidate module (replay); two dumps hold only what each
+    side computed on its own inputs, so the report judges drift and says so.
+    """
+    with DumpReader(reference) as ref_dump, DumpReader(candidate) as cand_dump:
+        ref = DumpSide("reference", ref_dump, label=labels[0])
+        cand = DumpSide("candidate", cand_dump, label=labels[1])
+        check_block_counts(len(ref_dump.block_indices()), len(cand_dump.block_indices()))
+        ref_inputs, cand_inputs = ref_dump.inputs(), cand_dump.inputs()
+        if ref_inputs is not None and cand_inputs is not None and digest(ref_inputs) != digest(cand_inputs):
+            raise InputError(
+                f"the dumps were captured on different inputs ({reference}: {digest(ref_inputs)}, "
+                f"{candidate}: {digest(cand_inputs)}); capture both on the same token ids"
+            )
+        # Two dumps have no live modules to calibrate with: the fixed policy judges drift.
+        tolerance = replace(tolerance or Tolerance(), policy="fixed")
+        report = _localize(ref, cand, ref_inputs, tolerance, fast_path=False, capacity_factors=())
+    report.notes.append(
+        "offline comparison of two dumps: only drift could be computed, judged against fixed "
+        "thresholds; local errors (which sub-path is wrong rather than where the error shows) "
+        f"need a live candidate: blockdiff diff {reference} CANDIDATE_MODEL"
+    )
+    return report
+
+
+def capture(
+    model: nn.Module,
+    inputs: Inputs,
+    out: str | Path,
+    *,
+    hooks: HookMap | None = None,
+    compress: str | None = None,
+    label: str | None = None,
+) -> None:
+    """Run ``model`` once on ``inputs`` and stream every site into the dump ``out``.
+
+    Sites are written as the forward produces them, so memory does not grow with the
+    number of blocks. The dump is complete, or absent (written under a temporary name and
+    renamed at the end).
+    """
+    check_inputs(inputs)
+    side = _live_side("captured", model, hooks, inputs, label)
+    with eval_mode(model):
+        _stream(side, inputs, out, compress=compress)
+
+
+# -- recording and localizing ---------------------------------------------------------------
 
 
 def _localize(
     ref: Side,
     cand: Side,
-    inputs: Inputs,
+    inputs: Inputs | None,
     tolerance: Tolerance | None,
     *,
     fast_path: bool,
     capacity_factors: tuple[float, ...],
 ) -> Report:
-    """Localize a captured pair of sides (the candidate live) into a report."""
+    """Localize two recorded sides into a report."""
     tolerance = (tolerance or Tolerance()).resolved(
         same_dtype=ref.dtype == cand.dtype,
         same_device=ref.device == cand.device,
@@ -182,8 +399,8 @@ def _localize(
         stages = _run("candidate", lambda: list(localizer.stages()))
         blocks = _run("candidate", lambda: _counted(localizer.blocks(), "localize", len(cand.layout.blocks)))
     report = Report(
-        reference=dict(ref.store.meta),
-        candidate=dict(cand.store.meta),
+        reference=dict(ref.meta),
+        candidate=dict(cand.meta),
         inputs=describe_inputs(inputs),
         tolerance=tolerance.to_dict(localizer.dtype),
         stages=stages,
@@ -200,6 +417,77 @@ def _localize(
         )
         report.tolerance["policy"] = "fixed"
     return report
+
+
+def _stream(side: LiveSide, inputs: Inputs, path: str | Path, *, compress: str | None = None) -> None:
+    """Capture ``side`` into a dump, each site written as its call finishes, from the
+    model's own tensors (see :func:`~blockdiff.capture.record_once`); should the model
+    change one before its site is written, the dump is thrown away and the capture runs
+    again with copies."""
+    meta = {**side.meta, "layout": side.layout.to_dict(), "inputs_digest": digest(inputs)}
+
+    def attempt(copy: bool) -> None:
+        with DumpWriter(path, meta=meta, compress=compress) as writer:
+            writer.add_inputs(inputs)
+            _run(side.name, side.record, inputs, writer, hold=None if copy else "written", progress=_progress(side))
+
+    with_copies(attempt)
+    release_freed_memory()
+
+
+def _in_memory(sides: list[LiveSide], inputs: Inputs, localize: Callable[[], Report]) -> Report:
+    """Record each side into memory and localize from there.
+
+    Memory stores hold the models' own CPU tensors. Should a model write into one of them
+    while localization runs it again (a module reusing a buffer it returned before), the
+    run is repeated on copies.
+    """
+
+    def attempt(copy: bool) -> Report:
+        hold = None if copy else "kept"
+        recordings = [
+            _run(side.name, side.record, inputs, MemoryStore(side.meta), hold=hold, progress=_progress(side))
+            for side in sides
+        ]
+        report = localize()
+        if any(recording.changed() for recording in recordings):
+            raise TensorChanged("a model changed a recorded tensor in place while it was localized")
+        return report
+
+    return with_copies(attempt)
+
+
+# Where progress goes: a callable (what, done, total), set by the CLI around a command.
+PROGRESS: contextvars.ContextVar[Callable[[str, int, int], None] | None] = contextvars.ContextVar(
+    "blockdiff_progress", default=None
+)
+
+
+def _progress(side: LiveSide) -> Callable[[int, int], None] | None:
+    report = PROGRESS.get()
+    if report is None:
+        return None
+    what = f"capture {side.name}"
+    return lambda done, total: report(what, done, total)
+
+
+def _counted(items: Iterator, what: str, total: int) -> list:
+    report, done = PROGRESS.get(), []
+    for item in items:
+        done.append(item)
+        if report is not None:
+            report(what, len(done), total)
+    return done
+
+
+def _run(side: str, fn, *args, **kwargs):
+    """Call ``fn``; an exception raised by model code becomes a :class:`ModelRunError`."""
+    try:
+        return fn(*args, **kwargs)
+    except BlockdiffError:
+        raise
+    except Exception as exc:
+        raise ModelRunError(f"the {side} model raised {type(exc).__name__}: {exc}", side=side) from exc
 
 
 def _nonfinite_notes(report: Report, scan: NonfiniteScan) -> None:
@@ -219,244 +507,15 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _dump_meta(side: dict[str, Any], inputs: Inputs, layout: Layout) -> dict[str, Any]:
-    return {**side, "layout": layout.to_dict(), "inputs_digest": digest(inputs)}
-
-
-def capture(
-    model: nn.Module,
-    inputs: Inputs,
-    out: str | Path,
-    *,
-    hooks: HookMap | None = None,
-    compress: str | None = None,
-    label: str | None = None,
-) -> None:
-    """Run ``model`` once on ``inputs`` and stream every site into the dump ``out``.
-
-    Sites are written as the forward produces them, so memory does not grow with the
-    number of blocks. The dump is complete, or absent (written under a temporary name and
-    renamed at the end).
-    """
-    check_inputs(inputs)
-    layout = resolve(model, hooks)
-    if isinstance(inputs, torch.Tensor):
-        check_vocab(inputs, vocab_size(model, layout), side="model")
-    meta = _dump_meta(describe_side(model, layout, label), inputs, layout)
-    with eval_mode(model):
-        _stream("captured", model, layout, inputs, out, meta, compress=compress)
-
-
-def _stream(side: str, model: nn.Module, layout: Layout, inputs: Inputs, path: str | Path, meta: dict, *, compress: str | None = None) -> None:
-    """Capture ``model`` into a dump, each site written as its call finishes.
-
-    Tensors are written from the model's own (no copies, see :func:`~blockdiff.capture.record`);
-    should the model change one in place before its site is written, the dump is thrown
-    away and the capture runs again with copies.
-    """
-    for copy in (False, True):
-        try:
-            with DumpWriter(path, meta=meta, compress=compress) as writer:
-                writer.add_inputs(inputs)
-                _run(side, _record, side, model, layout, writer, inputs, copy)
-        except TensorChanged:
-            continue
-        break
-    release_freed_memory()
-
-
-def _dump_side(name: str, dump: DumpReader, label: str | None) -> Side:
-    meta = dump.meta
-    layout = layout_from_dict(meta.get("layout") or {})
-    dump_label = label or str(dump.path)
-    dump.meta = {
-        "model": dump_label,
-        "class": meta.get("class"),
-        "device": meta.get("device"),
-        "dtype": meta.get("dtype"),
-        "hook_map": meta.get("hook_map"),
-        "dump": str(dump.path),
-        "captured_model": meta.get("model"),
-    }
-    return Side(
-        name,
-        None,
-        layout,
-        dump,
-        captured_dtype=parse_dtype(str(meta.get("dtype", "float32"))),
-        captured_device=torch.device(str(meta.get("device", "cpu"))),
-    )
-
-
-def replay(
-    reference: str | Path,
-    candidate: nn.Module,
-    *,
-    tolerance: Tolerance | None = None,
-    candidate_hooks: HookMap | None = None,
-    fast_path: bool = False,
-    capacity_factors: tuple[float, ...] = (1.0, 1.25),
-    labels: tuple[str | None, str | None] = (None, None),
-) -> Report:
-    """Run a live ``candidate`` on a reference dump's inputs and localize against it.
-
-    The reference is read block by block from the dump. Without live reference modules
-    there are no calibrated noise floors: the fixed thresholds judge, and the report says so.
-    """
-    with DumpReader(reference) as dump:
-        inputs = dump.inputs()
-        if inputs is None:
-            raise DumpError(f"{reference}: the dump holds no model inputs to replay", path=str(reference))
-        ref = _dump_side("reference", dump, labels[0])
-        cand_layout = resolve(candidate, candidate_hooks)
-        check_block_counts(len(ref.layout.blocks), len(cand_layout.blocks))
-        if isinstance(inputs, torch.Tensor):
-            check_vocab(inputs, vocab_size(candidate, cand_layout), side="candidate")
-        with eval_mode(candidate):
-            report = _in_memory(
-                [("candidate", candidate, cand_layout, describe_side(candidate, cand_layout, labels[1]))],
-                inputs,
-                lambda stores: _localize(
-                    ref,
-                    Side("candidate", candidate, cand_layout, stores[0]),
-                    inputs,
-                    tolerance,
-                    fast_path=fast_path,
-                    capacity_factors=capacity_factors,
-                ),
-            )
-    report.notes.insert(0, f"replay: the reference is the dump {reference}")
-    return report
-
-
-def compare_dumps(
-    reference: str | Path,
-    candidate: str | Path,
-    *,
-    tolerance: Tolerance | None = None,
-    labels: tuple[str | None, str | None] = (None, None),
-) -> Report:
-    """Compare two dumps offline: drift at every site, judged against fixed thresholds.
-
-    Local errors need a live candidate module (replay); two dumps hold only what each
-    side computed on its own inputs, so the report judges drift and says so.
-    """
-    with DumpReader(reference) as ref_dump, DumpReader(candidate) as cand_dump:
-        ref = _dump_side("reference", ref_dump, labels[0])
-        cand = _dump_side("candidate", cand_dump, labels[1])
-        check_block_counts(len(ref_dump.block_indices()), len(cand_dump.block_indices()))
-        ref_inputs, cand_inputs = ref_dump.inputs(), cand_dump.inputs()
-        if ref_inputs is not None and cand_inputs is not None and digest(ref_inputs) != digest(cand_inputs):
-            raise InputError(
-                f"the dumps were captured on different inputs ({reference}: {digest(ref_inputs)}, "
-                f"{candidate}: {digest(cand_inputs)}); capture both on the same token ids"
-            )
-        tolerance = (tolerance or Tolerance(policy="fixed")).resolved(same_dtype=True, same_device=True)
-        if tolerance.calibrated:
-            tolerance = Tolerance("fixed", dict(tolerance.overrides), tolerance.multiplier, tolerance.atol, tolerance.fixed)
-        dtype = working_dtype(ref.dtype, cand.dtype)
-        scan = NonfiniteScan()
-        stages, blocks = offline_drift(ref_dump, cand_dump, tolerance, dtype, scan)
-        report = Report(
-            reference=dict(ref_dump.meta),
-            candidate=dict(cand_dump.meta),
-            inputs=describe_inputs(ref_inputs) if ref_inputs is not None else {"kind": None, "shape": None, "digest": None},
-            tolerance=tolerance.to_dict(dtype),
-            stages=stages,
-            blocks=blocks,
-            created=_now(),
-            version=__version__,
-        )
-        _nonfinite_notes(report, scan)
-    report.notes.append(
-        "offline comparison of two dumps: only drift could be computed, judged against fixed "
-        "thresholds; local errors (which sub-path is wrong rather than where the error shows) "
-        f"need a live candidate: blockdiff diff {reference} CANDIDATE_MODEL"
-    )
-    return report
-
-
-# Where progress goes: a callable (what, done, total), set by the CLI around a command.
-PROGRESS: contextvars.ContextVar[Callable[[str, int, int], None] | None] = contextvars.ContextVar(
-    "blockdiff_progress", default=None
-)
-
-
-class _Counting:
-    """Passes sites on to a store and reports each finished block as progress."""
-
-    def __init__(self, store: SiteStore, what: str, total: int, report: Callable[[str, int, int], None]) -> None:
-        self.store, self.meta, self.what, self.total, self.report = store, store.meta, what, total, report
-        self.done = 0
-        self.records_by_reference = getattr(store, "records_by_reference", None)
-
-    def clear(self) -> None:
-        self.store.clear()
-        self.done = 0
-
-    @property
-    def references(self) -> Any:
-        return self.store.references
-
-    @references.setter
-    def references(self, snapshot: Any) -> None:
-        self.store.references = snapshot
-
-    def add(self, site) -> None:
-        self.store.add(site)
-        if site.stage == "block" and site.subpath is None:
-            self.done += 1
-            self.report(self.what, self.done, self.total)
-
-
-def _record(side: str, model: nn.Module, layout: Layout, store: SiteStore, inputs: Inputs, copy: bool = False) -> None:
-    report = PROGRESS.get()
-    if report is not None:
-        store = _Counting(store, f"capture {side}", len(layout.blocks), report)
-    record(model, layout, store, inputs, copy=copy)
-
-
-def _in_memory(
-    models: list[tuple[str, nn.Module, Layout, dict]], inputs: Inputs, localize: Callable[[list[MemoryStore]], Report]
-) -> Report:
-    """Record each (side, model, layout, meta) into memory and localize from there.
-
-    Memory stores hold the models' own CPU tensors (:func:`~blockdiff.capture.record`).
-    Should a model write into one of them while localization runs it again (a module
-    reusing a buffer it returned before), the run is repeated on copies.
-    """
-    for copy in (False, True):
-        stores = [MemoryStore(meta) for *_, meta in models]
-        for (side, model, layout, _), store in zip(models, stores):
-            _run(side, _record, side, model, layout, store, inputs, copy)
-        report = localize(stores)
-        if not any(store.changed() for store in stores):
-            break
-    return report
-
-
-def _counted(items: Iterator, what: str, total: int) -> list:
-    report, done = PROGRESS.get(), []
-    for item in items:
-        done.append(item)
-        if report is not None:
-            report(what, len(done), total)
-    return done
-
-
-def _run(side: str, fn, *args):
-    """Call ``fn``; an exception raised by model code becomes a :class:`ModelRunError`."""
-    try:
-        return fn(*args)
-    except BlockdiffError:
-        raise
-    except Exception as exc:
-        raise ModelRunError(f"the {side} model raised {type(exc).__name__}: {exc}", side=side) from exc
-
-
-def describe_inputs(inputs: Inputs) -> dict[str, Any]:
+def describe_inputs(inputs: Inputs | None) -> dict[str, Any]:
+    if inputs is None:
+        return {"kind": None, "shape": None, "digest": None}
     if isinstance(inputs, torch.Tensor):
         kind, shape = "token_ids", list(inputs.shape)
     else:
         kind, shape = ("args" if isinstance(inputs, tuple) else "kwargs"), None
     return {"kind": kind, "shape": shape, "digest": digest(inputs)}
+
+
+# How the report names a live side (kept for callers of the 0.2 API).
+describe_side = describe

@@ -12,22 +12,32 @@ caused by precision can trip (DESIGN.md, "MoE"): its logits; its weights on the 
 whose top-k sets agree with the reference; and its flips, each explained only when the
 reference's margin ``z_(k) − z_(k+1)`` is within the logit noise that precision causes.
 The experts are judged with routing frozen at the reference's.
+
+:func:`moe_checks` runs those experiments on a block pair; :func:`moe_statistics` gives the
+routing statistics of both free-running sides (:mod:`blockdiff.moe_stats`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .compare import metrics
 from .errors import PairingError
-from .moe_stats import Routing
-from .report import Check
-from .site import iter_tensors
+from .experiments import check_shapes
+from .moe_stats import Routing, moe_block_stats
+from .report import Check, SubpathResult
+from .site import Site, describe_key, iter_tensors, snapshot
 from .tolerance import Threshold, Tolerance
-from .vocab import ROUTER_FORMATS, ROUTER_LOGITS, ROUTER_WEIGHTS, ROUTING_FLIPS
+from .vocab import EXPERTS, ROUTER_FORMATS, ROUTER_LOGITS, ROUTER_WEIGHTS, ROUTING_FLIPS
+
+if TYPE_CHECKING:
+    from .experiments import Experiments
+    from .hookmap import BlockLayout
+    from .pairing import BlockPair
+    from .sides import Side
 
 
 
@@ -165,3 +175,79 @@ def router_checks(
         )
     )
     return checks
+
+
+# -- experiments and statistics of an MoE block -------------------------------------------
+
+
+def side_decision(side: Side, layout: BlockLayout, router: Site, output: Any = None) -> Decision:
+    """A router call of ``side`` read as routing (its recorded output, or ``output``), with
+    the model's own expert capacity where it has one."""
+    assert layout.moe is not None
+    output = router.output if output is None else output
+    routing = decision(output, layout.moe["format"], what=router.label)
+    routing.routing.capacity = _capacity(side, layout.moe.get("capacity"), routing.routing.logits.shape[0])
+    return routing
+
+
+def _capacity(side: Side, path: str | None, tokens: int) -> int | None:
+    """An MoE's own expert capacity: the attribute ``path`` names (an int, or a callable
+    taking the token count), or ``None`` for dropless models."""
+    if path is None:
+        return None
+    value = side.attribute(path)
+    if callable(value):
+        value = value(tokens)
+    return None if value is None else int(value)
+
+
+def moe_checks(exp: Experiments, pair: BlockPair, r_ffn: Site, c_ffn: Site) -> list[Check]:
+    """An MoE ffn judged as router (logits, weights where top-k agree, flips by margin)
+    and experts (the candidate MoE with routing frozen at the reference's)."""
+    routers = pair.router_of(r_ffn)
+    assert routers is not None and pair.ref_layout is not None and pair.cand_layout is not None
+    r_router, c_router = routers
+    r_layout, c_layout = pair.ref_layout, pair.cand_layout
+    ref = side_decision(exp.ref, r_layout, r_router)
+    out = exp.cand.call_module(c_router.module, c_router, r_router.hidden_inputs())
+    cand = side_decision(exp.cand, c_layout, c_router, snapshot(out))
+    floor = exp.with_floor(lambda side: side_decision(side, r_layout, r_router, snapshot(side.call_module(r_router.module, r_router))))
+    checks = router_checks(ref, cand, floor, module=c_router.module, tolerance=exp.tolerance, dtype=exp.dtype)
+
+    ref_out = r_ffn.primary_output()
+    assert ref_out is not None
+
+    def frozen_routing(side: Side, ffn: Site, router: Site, template: Site, hidden: dict | None) -> Any:
+        rel = router.module[len(ffn.module) + 1 :]
+        out, _ = side.run_block(ffn.module, ffn, hidden, {rel: "router"}, {("router", 0): (r_router, template)})
+        return out
+
+    out = frozen_routing(exp.cand, c_ffn, c_router, c_router, r_ffn.hidden_inputs())
+    check_shapes(describe_key(c_ffn.key), "output", ref_out, out)
+    experts_floor = exp.with_floor(
+        lambda side: metrics(ref_out, frozen_routing(side, r_ffn, r_router, r_router, None), dtype=exp.dtype).rel_l2
+    )
+    checks.append(exp.check("ffn", EXPERTS, c_ffn.module, ref_out, out, experts_floor))
+    return checks
+
+
+def moe_statistics(
+    exp: Experiments, pair: BlockPair, ffn: SubpathResult | None, capacity_factors: tuple[float, ...]
+) -> dict[str, Any]:
+    """Routing statistics of one MoE block: both free-running sides and their agreement."""
+    assert pair.ref_layout is not None and pair.cand_layout is not None
+    key = min(pair.ref_routers, key=lambda k: k.ordinal)
+    ref = side_decision(exp.ref, pair.ref_layout, pair.ref_routers[key])
+    cand = side_decision(exp.cand, pair.cand_layout, pair.cand_routers[key])
+    stats = moe_block_stats(ref.routing, cand.routing, capacity_factors=capacity_factors)
+    local = None
+    if ffn is not None:
+        flips = next((c for c in ffn.checks if c.what == ROUTING_FLIPS), None)
+        local = None if flips is None else flips.details
+    return {
+        "block": pair.index,
+        "router": pair.cand_routers[key].module,
+        "format": pair.cand_layout.moe["format"] if pair.cand_layout.moe else None,
+        **stats,
+        "local_flips": local,
+    }

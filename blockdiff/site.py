@@ -15,7 +15,7 @@ anatomy does not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -72,8 +72,8 @@ class Site:
     order: int = 0
 
     @property
-    def key(self) -> tuple:
-        return (self.stage, self.block, self.subpath, self.ordinal)
+    def key(self) -> "SiteKey":
+        return SiteKey(self.stage, self.block, self.subpath, self.ordinal)
 
     @property
     def label(self) -> str:
@@ -90,6 +90,21 @@ class Site:
 
     def primary_output(self) -> torch.Tensor | None:
         return primary_tensor(self.output)
+
+
+class SiteKey(NamedTuple):
+    """What pairs a reference site with a candidate site: the anatomy, not the module path
+    (which may differ between two codebases)."""
+
+    stage: str
+    block: int | None
+    subpath: str | None
+    ordinal: int
+
+    @classmethod
+    def of_block(cls, index: int) -> "SiteKey":
+        """The key of block ``index``'s own call."""
+        return cls("block", index, None, 0)
 
 
 def describe_key(key: tuple) -> str:
@@ -130,14 +145,31 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     return iter(found)
 
 
-def snapshot(obj: Any) -> Any:
-    """Copy a structure for the record: tensors detached and cloned to the CPU."""
-    return map_structure(obj, _copy_to_cpu)
+# The two ways a tensor is copied: into the record (recorded_copy) and out of it, into a
+# module call (replayed_copy). Nothing else copies or casts activations.
 
 
-def _copy_to_cpu(t: torch.Tensor) -> torch.Tensor:
+def recorded_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` for the record: detached and copied to the CPU."""
     t = t.detach()
     return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+
+
+def replayed_copy(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A recorded tensor for a module call: a copy on ``device``, cast to ``dtype`` when
+    both are floating point.
+
+    Always a copy: models change tensors they are handed in place (HF Falcon adds the
+    attention output into the MLP output), which must never reach a recorded site.
+    """
+    if dtype is not None and t.is_floating_point() and dtype.is_floating_point:
+        return t.to(device=device, dtype=dtype, copy=True)
+    return t.to(device=device, copy=True)
+
+
+def snapshot(obj: Any) -> Any:
+    """Copy a structure for the record: tensors detached and cloned to the CPU."""
+    return map_structure(obj, recorded_copy)
 
 
 def for_replay(obj: Any, *, device: torch.device | str, dtype: torch.dtype | None = None) -> Any:
@@ -145,15 +177,7 @@ def for_replay(obj: Any, *, device: torch.device | str, dtype: torch.dtype | Non
 
     :class:`Opaque` markers become ``None``: recorded caches are never replayed.
     """
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        # Always a copy: a module may change its arguments in place, and these come
-        # from a recorded site.
-        if dtype is not None and t.is_floating_point():
-            return t.to(device=device, dtype=dtype, copy=True)
-        return t.to(device=device, copy=True)
-
-    return _drop_opaque(map_structure(obj, move))
+    return _drop_opaque(map_structure(obj, lambda t: replayed_copy(t, device, dtype)))
 
 
 def _drop_opaque(obj: Any) -> Any:

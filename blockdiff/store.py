@@ -1,8 +1,9 @@
 """Site stores: where capture writes sites and where localization reads them, block by block.
 
-The engine only uses the small interface below (``add`` while capturing; ``meta``,
-``outside_sites`` and ``block_sites`` while localizing), so a store backed by an HDF5
-file (:mod:`blockdiff.dump`) can stand in for the in-memory one.
+A store is a plain sink: the engine only uses the small interface below (``add`` while
+capturing; ``meta``, ``outside_sites`` and ``block_sites`` while localizing), so a store
+backed by an HDF5 file (:mod:`blockdiff.dump`) can stand in for the in-memory one. What a
+store is handed (copies, or the model's own tensors) is :mod:`blockdiff.capture`'s call.
 """
 
 from __future__ import annotations
@@ -35,15 +36,10 @@ class SiteStore(Protocol):
 class MemoryStore:
     """Sites held in memory, in execution order."""
 
-    # capture.record may hold the model's own CPU tensors here instead of copies (it checks
-    # their version counters after the forward, and clears the store and copies if needed).
-    records_by_reference = "kept"
-
     def __init__(self, meta: dict[str, Any] | None = None) -> None:
         self.meta: dict[str, Any] = dict(meta or {})
         self._outside: list[Site] = []
         self._blocks: dict[int, list[Site]] = {}
-        self.references: Any = None  # the capture's Snapshots when sites hold live tensors
 
     def add(self, site: Site) -> None:
         # Sites arrive as their calls finish (a block after its modules); keep start order.
@@ -54,11 +50,6 @@ class MemoryStore:
         """Forget every site (the meta stays)."""
         self._outside.clear()
         self._blocks.clear()
-        self.references = None
-
-    def changed(self) -> bool:
-        """Whether a tensor recorded by reference was changed in place since it was recorded."""
-        return self.references is not None and self.references.changed()
 
     def block_indices(self) -> list[int]:
         return sorted(self._blocks)

@@ -94,6 +94,25 @@ class Tolerance:
             if not value > 0:
                 raise InputError(f"tolerance for {name} must be a positive number, found {value}")
 
+    @staticmethod
+    def parse_override(text: str) -> tuple[str, float]:
+        """``"ffn=0.05"`` → ``("ffn", 0.05)``: one ``SUBPATH=VALUE`` as users type it
+        (``--tol``, ``--blockdiff-tol``). The name is checked by the constructor.
+
+        Raises:
+            InputError: not ``NAME=NUMBER``.
+
+        >>> Tolerance.parse_override("ffn=0.05")
+        ('ffn', 0.05)
+        """
+        name, sep, number = text.partition("=")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            return name.strip(), float(number)
+        except ValueError:
+            raise InputError(f"expected SUBPATH=VALUE (e.g. ffn=0.05), found {text!r}") from None
+
     def resolved(self, *, same_dtype: bool, same_device: bool) -> "Tolerance":
         """This tolerance with the policy chosen: calibrated when dtypes or devices differ."""
         if self.policy is not None:

@@ -89,7 +89,7 @@ def test_modules_given_their_own_inputs_are_not_run_again(ids):
 
 
 def test_same_bits_compares_every_bit():
-    from blockdiff.localize import same_bits
+    from blockdiff.experiments import same_bits
 
     x = torch.tensor([1.0, 0.0, float("nan")])
     assert same_bits({"primary": x}, {"primary": x.clone()})  # NaN equals itself bit for bit

@@ -1,0 +1,212 @@
+"""Experiments: one module, or one block with chosen modules frozen, run on the reference's
+inputs and judged.
+
+Each experiment asks the candidate side to run (:mod:`blockdiff.sides`) and compares
+what comes out with what the reference recorded:
+
+- **module** (attention, ffn, each norm, and the stages outside blocks): the candidate's
+  module on its own recorded call with the hidden state replaced by the reference's;
+- **residual**: the candidate's whole block on the reference block input with every
+  sub-path module's output replaced by the reference's; the block output and the input
+  reaching each frozen module are compared;
+- **block**: the candidate block on the reference input with nothing frozen (but MoE
+  routing, fixed at the reference's);
+- **drift**: the free-running candidate against the reference at a site (no run).
+
+Under the calibrated policy, :meth:`Experiments.with_floor` runs the same experiment on
+the reference's own code at the candidate's precision (:class:`~blockdiff.sides.PrecisionSide`):
+the check's noise floor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+
+from .compare import Metrics, metrics
+from .errors import PairingError, ShapeMismatchError
+from .hookmap import BlockLayout
+from .pairing import BlockPair, in_order
+from .report import Check
+from .sides import Frozen, Side
+from .site import Site, describe_key, primary_tensor
+from .tolerance import Tolerance, working_dtype
+from .vocab import BLOCK_TARGET
+
+T = TypeVar("T")
+
+
+class Experiments:
+    """The experiments of one diff between two sides, and how they are judged.
+
+    Args:
+        reference, candidate: the sides; the candidate runs the experiments.
+        tolerance: the resolved policy (see :meth:`Tolerance.resolved`).
+    """
+
+    def __init__(self, reference: Side, candidate: Side, tolerance: Tolerance) -> None:
+        self.ref = reference
+        self.cand = candidate
+        self.tolerance = tolerance
+        self.dtype = working_dtype(reference.dtype, candidate.dtype)
+        # The reference's own code at the candidate's precision, when it can run.
+        self.floor_side = reference.in_precision(self.dtype, candidate.device) if tolerance.calibrated else None
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether checks get noise floors (the calibrated policy and a live reference)."""
+        return self.floor_side is not None
+
+    def with_floor(self, measure: Callable[[Side], T]) -> T | None:
+        """``measure`` run on the reference at the candidate's precision: the calibrated
+        branch of every experiment, in one place. ``None`` without floors."""
+        return None if self.floor_side is None else measure(self.floor_side)
+
+    def check(self, target: str, what: str, module: str, expected: torch.Tensor, got: torch.Tensor, floor: float | None) -> Check:
+        return Check(what, module, metrics(expected, got, dtype=self.dtype), self.tolerance.threshold(target, self.dtype, floor))
+
+    def drift(self, r: Site, c: Site) -> Metrics | None:
+        """The free-running candidate's output against the reference's at one site."""
+        ref_out, cand_out = r.primary_output(), c.primary_output()
+        if ref_out is None or cand_out is None:
+            return None
+        return metrics(ref_out, aligned(describe_key(c.key), "output", ref_out, cand_out), dtype=self.dtype)
+
+    # -- one module --------------------------------------------------------------------
+
+    def module_output(self, side: Side, path: str, call: Site, hidden: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        out = primary_tensor(side.call_module(path, call, hidden))
+        if out is None:
+            raise PairingError(f"{call.label}: the module returned no tensor")
+        return out
+
+    def module_check(self, target: str, r: Site, c: Site) -> Check:
+        """The candidate's module on the reference's activations, against the reference's output."""
+        ref_out = r.primary_output()
+        if ref_out is None:
+            raise PairingError(f"{r.label}: the reference recorded no output tensor")
+        hidden = r.hidden_inputs()
+        out = c.primary_output()
+        if out is None or not same_bits(hidden, c.hidden_inputs()):
+            out = self.module_output(self.cand, c.module, c, hidden)
+        out = aligned(describe_key(c.key), "output", ref_out, out)
+        floor = self.with_floor(
+            lambda side: metrics(ref_out, self.module_output(side, r.module, r, None), dtype=self.dtype).rel_l2
+        )
+        return self.check(target, "output", c.module, ref_out, out, floor)
+
+    # -- one block ---------------------------------------------------------------------
+
+    def block_checks(self, pair: BlockPair, *, frozen: bool) -> list[Check]:
+        """The residual experiment (``frozen``) or the block-level one (nothing frozen but
+        MoE routing, fixed at the reference's so that precision flips stay out of it)."""
+        assert pair.ref_layout is not None and pair.cand_layout is not None
+        r_block, c_block = pair.ref_block, pair.cand_block
+        target = "residual" if frozen else BLOCK_TARGET
+        ref_in, ref_out = r_block.hidden_inputs(), r_block.primary_output()
+        if "primary" not in ref_in or ref_out is None:
+            raise PairingError(f"{r_block.label}: no hidden input or output recorded")
+        frozen_c: Frozen = dict(pair.routing())  # (reference site, candidate site): the candidate's run
+        if frozen:
+            frozen_c.update({(s.subpath, s.ordinal): (s, pair.cand[key]) for key, s in pair.ref.items()})
+        if not frozen_c and c_block.primary_output() is not None and same_bits(ref_in, c_block.hidden_inputs()):
+            out, reached = c_block.primary_output(), {}  # the candidate's own call was this call
+        else:
+            out, reached = self.cand.run_block(c_block.module, c_block, ref_in, relative(pair.cand_layout), frozen_c)
+        label = describe_key(c_block.key)
+        check_shapes(label, "output", ref_out, out)
+        # (what, module, reference tensor, candidate tensor, (sub-path, ordinal) or None)
+        compared: list[tuple[str, str, torch.Tensor, torch.Tensor, tuple | None]] = [
+            ("block output", c_block.module, ref_out, out, None)
+        ]
+        if frozen:
+            for key, site in in_order(pair.ref):
+                expected, at = site.hidden_input(), (site.subpath, site.ordinal)
+                if expected is not None and at in reached:
+                    module = pair.cand[key].module
+                    compared.append((f"input of {module}", module, expected, reached[at], at))
+
+        def floors(side: Side) -> list[float | None]:
+            frozen_f = {key: (r, r) for key, (r, _) in frozen_c.items()}  # the reference's own record
+            f_out, f_reached = side.run_block(r_block.module, r_block, None, relative(pair.ref_layout), frozen_f)
+            found: list[float | None] = []
+            for _, _, expected, _, at in compared:
+                got = f_out if at is None else f_reached.get(at)
+                found.append(None if got is None else metrics(expected, got, dtype=self.dtype).rel_l2)
+            return found
+
+        measured = self.with_floor(floors) or [None] * len(compared)
+        return [
+            self.check(target, what, module, expected, aligned(label, what, expected, got), floor)
+            for (what, module, expected, got, _), floor in zip(compared, measured)
+        ]
+
+
+def relative(layout: BlockLayout) -> dict[str, str]:
+    """Sub-path module paths (and an MoE router's) relative to the block → sub-path."""
+    prefix = layout.path + "."
+    found = {path[len(prefix):]: subpath for subpath, paths in layout.subpaths.items() for path in paths}
+    if layout.moe is not None:
+        found[layout.moe["router"][len(prefix):]] = "router"
+    return found
+
+
+def aligned(label: str, what: str, ref: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """``cand`` in ``ref``'s shape when they differ only by leading size-1 dimensions
+    (a rotary table of [seq, d] against [1, seq, d]); else a :class:`ShapeMismatchError`."""
+    if tuple(ref.shape) == tuple(cand.shape):
+        return cand
+    if _squeeze_leading(ref.shape) == _squeeze_leading(cand.shape):
+        return cand.reshape(ref.shape)
+    check_shapes(label, what, ref, cand)
+    return cand
+
+
+def _squeeze_leading(shape: torch.Size) -> tuple[int, ...]:
+    dims = list(shape)
+    while dims and dims[0] == 1:
+        dims.pop(0)
+    return tuple(dims)
+
+
+def check_shapes(label: str, what: str, ref: torch.Tensor, cand: torch.Tensor) -> None:
+    if tuple(ref.shape) != tuple(cand.shape):
+        raise ShapeMismatchError(
+            f"{label} {what}: candidate has shape {list(cand.shape)}, reference {list(ref.shape)}",
+            site=label,
+            reference=tuple(ref.shape),
+            candidate=tuple(cand.shape),
+        )
+
+
+_SAME_SIZE_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two sets of activations are the same bit for bit: names, dtypes, shapes,
+    devices and every bit (NaN payloads and signed zeros included).
+
+    A module experiment feeds the candidate's module the reference's activations with the
+    candidate's own other arguments. When those activations are the ones the candidate's
+    module received in its own forward, the experiment is that call again, and its
+    recorded output is the answer: until the first difference (a same-dtype port, a fused
+    kernel in one place) no module is run a second time.
+    """
+    if not a or a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device or x.is_complex():
+            return False
+        if x.is_floating_point():
+            if x.element_size() not in _SAME_SIZE_INTS:
+                return False
+            ints = _SAME_SIZE_INTS[x.element_size()]
+            x, y = x.view(ints), y.view(ints)
+        if not torch.equal(x, y):
+            return False
+    return True
+
+
+__all__ = ["Experiments", "aligned", "check_shapes", "relative", "same_bits"]

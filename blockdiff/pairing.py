@@ -1,0 +1,167 @@
+"""Pairing: which reference site goes with which candidate site.
+
+Sites pair by :class:`~blockdiff.site.SiteKey` — (stage, block, sub-path, ordinal) — not
+by module path, which may differ between two codebases. A block's sites are read from
+both stores at once (:func:`pair_block`), so localization holds one block at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from .errors import PairingError
+from .hookmap import BlockLayout, Layout
+from .site import Site, SiteKey, describe_key
+from .store import SiteStore
+from .vocab import BEFORE_BLOCKS
+
+
+def check_block_counts(reference: int, candidate: int) -> None:
+    if reference != candidate:
+        raise PairingError(
+            f"the reference has {reference} blocks and the candidate {candidate}; "
+            "blockdiff compares models with the same number of blocks"
+        )
+
+
+def check_paired(reference: dict[SiteKey, Site], candidate: dict[SiteKey, Site]) -> None:
+    """Every key on both sides, or a :class:`PairingError` naming the first that is not."""
+    unpaired = sorted(set(reference) ^ set(candidate), key=str)
+    if unpaired:
+        side = "candidate" if unpaired[0] in reference else "reference"
+        raise PairingError(
+            f"{describe_key(unpaired[0])}: recorded on one side only (missing in the {side}); "
+            "the two models have different anatomy, or a hook map is wrong (`blockdiff arch`)"
+        )
+
+
+def in_order(sites: dict[SiteKey, Site]) -> list[tuple[SiteKey, Site]]:
+    """``sites`` in the order their calls started."""
+    return sorted(sites.items(), key=lambda kv: kv[1].order)
+
+
+def pair_outside(reference: SiteStore, candidate: SiteStore) -> list[tuple[Site, Site]]:
+    """The (reference, candidate) sites outside blocks — embed, context, final norm,
+    head — in execution order."""
+    ref = {s.key: s for s in reference.outside_sites()}
+    cand = {s.key: s for s in candidate.outside_sites()}
+    check_paired(ref, cand)
+    return [(r, cand[key]) for key, r in in_order(ref)]
+
+
+@dataclass
+class BlockPair:
+    """One block's sites on both sides.
+
+    Attributes:
+        index: the block's index.
+        ref_block, cand_block: the block's own call on each side.
+        ref, cand: the sub-path modules' sites (attention, ffn, norms), by key.
+        ref_routers, cand_routers: an MoE block's router sites, by key.
+        ref_layout, cand_layout: the block's layout on each side (``None`` for a dump
+            that does not record one).
+    """
+
+    index: int
+    ref_block: Site
+    cand_block: Site
+    ref: dict[SiteKey, Site]
+    cand: dict[SiteKey, Site]
+    ref_routers: dict[SiteKey, Site] = field(default_factory=dict)
+    cand_routers: dict[SiteKey, Site] = field(default_factory=dict)
+    ref_layout: BlockLayout | None = None
+    cand_layout: BlockLayout | None = None
+
+    @property
+    def moe(self) -> bool:
+        """Whether both sides' layouts describe this block's MoE router."""
+        return (
+            self.ref_layout is not None
+            and self.cand_layout is not None
+            and self.ref_layout.moe is not None
+            and self.cand_layout.moe is not None
+        )
+
+    def sites(self) -> Iterator[tuple[Site, Site]]:
+        """(reference, candidate) sub-path module sites in execution order."""
+        for key, r in in_order(self.ref):
+            yield r, self.cand[key]
+
+    def router_of(self, site: Site) -> tuple[Site, Site] | None:
+        """The (reference, candidate) router sites of an MoE block's ffn ``site``."""
+        key = SiteKey("block", self.index, "router", site.ordinal)
+        if not self.moe or site.subpath != "ffn" or key not in self.ref_routers:
+            return None
+        return self.ref_routers[key], self.cand_routers[key]
+
+    def routing(self) -> dict[tuple[str, int], tuple[Site, Site]]:
+        """Every router of an MoE block, frozen at the reference's decision: (reference
+        router site, candidate router site) by ("router", ordinal)."""
+        if not self.moe:
+            return {}
+        return {("router", k.ordinal): (r, self.cand_routers[k]) for k, r in self.ref_routers.items()}
+
+    def last_order(self) -> int:
+        """Where the block's last sub-path module started (the residual is reported after it)."""
+        return max((s.order for s in self.ref.values()), default=self.ref_block.order)
+
+
+def layout_block(layout: Layout | None, index: int) -> BlockLayout | None:
+    if layout is None:
+        return None
+    return layout.blocks[index] if index < len(layout.blocks) else None
+
+
+def pair_block(
+    reference: SiteStore,
+    candidate: SiteStore,
+    index: int,
+    ref_layout: Layout | None = None,
+    cand_layout: Layout | None = None,
+) -> BlockPair:
+    """Block ``index``'s sites read from both stores and paired.
+
+    Raises:
+        PairingError: the block's own call, or a sub-path's site, is on one side only.
+    """
+    ref = {s.key: s for s in reference.block_sites(index)}
+    cand = {s.key: s for s in candidate.block_sites(index)}
+    block_key = SiteKey.of_block(index)
+    if block_key not in ref or block_key not in cand:
+        raise PairingError(f"block {index}: the block's own call was not recorded on both sides")
+    ref_block, cand_block = ref.pop(block_key), cand.pop(block_key)
+    ref_routers = {k: ref.pop(k) for k in [k for k, s in ref.items() if s.subpath == "router"]}
+    cand_routers = {k: cand.pop(k) for k in [k for k, s in cand.items() if s.subpath == "router"]}
+    pair = BlockPair(
+        index,
+        ref_block,
+        cand_block,
+        ref,
+        cand,
+        ref_routers,
+        cand_routers,
+        layout_block(ref_layout, index),
+        layout_block(cand_layout, index),
+    )
+    check_paired(ref, cand)
+    if pair.moe:
+        check_paired(ref_routers, cand_routers)
+    return pair
+
+
+def outside_position(site: Site) -> int:
+    """0 for stages that run before the blocks, 2 for those after (blocks are 1)."""
+    return 0 if site.stage in BEFORE_BLOCKS else 2
+
+
+__all__ = [
+    "BlockPair",
+    "check_block_counts",
+    "check_paired",
+    "in_order",
+    "layout_block",
+    "outside_position",
+    "pair_block",
+    "pair_outside",
+]

@@ -1,0 +1,325 @@
+"""Sides: what the engine asks of an implementation, whatever kind it is.
+
+A *side* (DESIGN.md, "Sides") is the reference or the candidate. The engine asks four
+things of it, and nothing else:
+
+- its **sites**: what one run of the whole model recorded (:attr:`Side.store`);
+- **run one module** (or a child of it) on a recorded call with chosen activations
+  replaced (:meth:`Side.call_module`);
+- **run block i** on a recorded call with chosen modules frozen, answering with recorded
+  outputs instead of computing (:meth:`Side.run_block`);
+- its **device, dtype and layout**.
+
+The kinds here:
+
+- :class:`LiveSide`: an eager ``nn.Module``;
+- :class:`PrecisionSide`: a live side's modules copied into another dtype and device,
+  which is how a noise floor is measured (the reference's own code at the candidate's
+  precision);
+- :class:`DumpSide`: a dump written by ``blockdiff capture``; it has sites and runs
+  nothing (:attr:`Side.live` is false).
+
+A new kind of candidate (compiled, sharded, another runtime) is a new class with these
+members; the localizer (:mod:`blockdiff.localize`) never branches on kinds.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from .capture import Recording, record_once
+from .dtypes import dtype_name, stored_dtype
+from .errors import PairingError
+from .hookmap import Layout, layout_from_dict
+from .inputs import Inputs, model_device, model_dtype
+from .site import (
+    SiteKey,
+    Site,
+    for_replay,
+    hidden_location,
+    iter_tensors,
+    map_structure,
+    primary_tensor,
+    replace_primary,
+    replayed_copy,
+    with_hidden,
+)
+from .store import SiteStore
+
+# Activations by role ("primary", "encoder_hidden_states", "arg3", ...), as Site.hidden_inputs.
+Hidden = dict[str, torch.Tensor]
+# Modules frozen in a block run, by (sub-path, ordinal): (site whose output answers, site
+# whose output gives the structure and dtypes: the running side's own record).
+Frozen = dict[tuple[str, int], tuple[Site, Site]]
+
+
+class Side(Protocol):
+    """What the engine needs of one side of a diff."""
+
+    name: str  # "reference" or "candidate"
+    layout: Layout
+    store: SiteStore
+    meta: dict[str, Any]  # how the report describes it: model, class, device, dtype, hook_map
+
+    @property
+    def live(self) -> bool:
+        """Whether it can run experiments (a dump cannot)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
+        """The output of module ``path`` called with ``call``'s arguments, its
+        activations replaced by ``hidden`` (cast to the call's own dtypes)."""
+
+    def run_block(
+        self, path: str, call: Site, hidden: Hidden | None, modules: dict[str, str], frozen: Frozen | None
+    ) -> tuple[torch.Tensor, dict[tuple[str, int], torch.Tensor]]:
+        """Block ``path`` run on ``call`` with ``hidden``; the modules of ``frozen`` answer
+        with recorded outputs. Returns the block's output and the hidden input that reached
+        each module of ``modules`` (block-relative path → sub-path), by (sub-path, ordinal)."""
+
+    def attribute(self, path: str) -> Any:
+        """An attribute of the model (``model.layers.0.mlp.capacity``); ``None`` when absent."""
+
+    def in_precision(self, dtype: torch.dtype, device: torch.device) -> "Side | None":
+        """This side's code run in ``dtype`` on ``device`` (noise floors); ``None`` when it
+        cannot run."""
+
+
+def describe(model: nn.Module, layout: Layout, label: str | None) -> dict[str, Any]:
+    """How a report names a live model."""
+    return {
+        "model": label or type(model).__name__,
+        "class": type(model).__name__,
+        "device": str(model_device(model)),
+        "dtype": dtype_name(model_dtype(model)),
+        "hook_map": layout.hook_map.name,
+    }
+
+
+class LiveSide:
+    """An eager ``nn.Module`` with its layout; :meth:`record` fills its store."""
+
+    live = True
+
+    def __init__(self, name: str, model: nn.Module, layout: Layout, *, label: str | None = None) -> None:
+        self.name = name
+        self.model = model
+        self.layout = layout
+        self.meta = describe(model, layout, label)
+        self.store: SiteStore | None = None  # set by record()
+
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.model)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return model_dtype(self.model)
+
+    # Replayed floating arguments are cast to this dtype; None keeps each its own.
+    cast: torch.dtype | None = None
+
+    def record(
+        self, inputs: Inputs, store: SiteStore, *, hold: str | None, progress: Callable[[int, int], None] | None = None
+    ) -> Recording:
+        """Run the whole model once, recording every site into ``store`` (see
+        :func:`~blockdiff.capture.record_once` for ``hold``)."""
+        self.store = store
+        return record_once(self.model, self.layout, store, inputs, hold=hold, progress=progress)  # type: ignore[arg-type]
+
+    def module(self, path: str) -> nn.Module:
+        return self.model.get_submodule(path)
+
+    def attribute(self, path: str) -> Any:
+        owner, _, attr = path.rpartition(".")
+        return getattr(self.model.get_submodule(owner), attr, None)
+
+    def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
+        return PrecisionSide(self, dtype, device)
+
+    def _replay(self, call: Site, hidden: Hidden | None) -> tuple[tuple, dict]:
+        """``call``'s arguments on this side's device (floating ones cast to :attr:`cast`),
+        its activations replaced by ``hidden`` in the call's own dtypes."""
+        device = self.device
+        args = for_replay(call.args, device=device, dtype=self.cast)
+        kwargs = for_replay(call.kwargs, device=device, dtype=self.cast)
+        if hidden:
+            own = call.hidden_inputs()
+            hidden = {
+                role: replayed_copy(t, device, self.cast or (own[role].dtype if role in own else None))
+                for role, t in hidden.items()
+            }
+            args, kwargs = with_hidden(args, kwargs, hidden)
+        return args, kwargs
+
+    def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
+        args, kwargs = self._replay(call, hidden)
+        return self.module(path)(*args, **kwargs)
+
+    def run_block(
+        self, path: str, call: Site, hidden: Hidden | None, modules: dict[str, str], frozen: Frozen | None
+    ) -> tuple[torch.Tensor, dict[tuple[str, int], torch.Tensor]]:
+        """For this one call, every module of ``modules`` gets a pre-hook (what reached it)
+        and, when something is frozen, its ``forward`` wrapped on the instance; both are
+        undone in ``finally`` (an instance ``forward`` the module already had is put back).
+
+        A frozen module answers with the first site's primary tensor in the structure and
+        dtypes of the second (the running side's own recorded output); a router answers
+        with the whole recorded routing decision.
+        """
+        block = self.module(path)
+        device, cast = self.device, self.cast
+        reached: dict[tuple[str, int], torch.Tensor] = {}
+        counters: dict[str, int] = {}
+        current: dict[str, tuple[str, int]] = {}
+        handles = []
+        patched: list[tuple[nn.Module, Any]] = []
+        missing = object()
+
+        def pre(rel: str, subpath: str) -> Callable:
+            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                ordinal = counters.get(subpath, 0)
+                counters[subpath] = ordinal + 1
+                current[rel] = (subpath, ordinal)
+                loc = hidden_location(args, kwargs)
+                if loc is not None:
+                    tensor = args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]]
+                    reached[(subpath, ordinal)] = tensor.detach().clone()
+                return None
+
+            return hook
+
+        def frozen_forward(rel: str, original: Callable) -> Callable:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                key = current.get(rel)
+                if frozen is None or key not in frozen:
+                    return original(*args, **kwargs)
+                recorded, template = frozen[key]
+                own = for_replay(template.output, device=device, dtype=cast)
+                if key[0] == "router":
+                    return _replace_all(own, recorded.output, device)
+                like = primary_tensor(own)
+                return replace_primary(own, replayed_copy(recorded.primary_output(), device, like.dtype if like is not None else None))
+
+            return forward
+
+        try:
+            named = dict(block.named_modules())
+            for rel, subpath in modules.items():
+                module = named[rel]
+                handles.append(module.register_forward_pre_hook(pre(rel, subpath), with_kwargs=True))
+                if frozen:
+                    patched.append((module, module.__dict__.get("forward", missing)))
+                    module.forward = frozen_forward(rel, module.forward)
+            args, kwargs = self._replay(call, hidden)
+            out = primary_tensor(block(*args, **kwargs))
+        finally:
+            for handle in handles:
+                handle.remove()
+            for module, previous in reversed(patched):
+                if previous is missing:
+                    del module.forward
+                else:
+                    module.forward = previous
+        if out is None:
+            raise PairingError(f"{call.label}: the block returned no tensor")
+        return out, reached
+
+
+class PrecisionSide(LiveSide):
+    """A live side's code in another dtype and device: each module it runs is a fresh copy
+    of the side's module, cast (the user's model is never changed), and every recorded
+    floating argument is cast too. The noise floor of a check is this side's error."""
+
+    def __init__(self, side: LiveSide, dtype: torch.dtype, device: torch.device) -> None:
+        self.name, self.layout, self.meta, self.store = side.name, side.layout, side.meta, side.store
+        self.model = side.model
+        self.cast = dtype
+        self._device = device
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        assert self.cast is not None
+        return self.cast
+
+    def module(self, path: str) -> nn.Module:
+        return copy.deepcopy(self.model.get_submodule(path)).to(device=self._device, dtype=self.cast)
+
+    def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
+        return PrecisionSide(self, dtype, device)
+
+
+class DumpSide:
+    """A dump written by ``blockdiff capture`` (or ``--save-dumps``): the sites one run
+    recorded, with the layout, device and dtype it ran with. It runs nothing."""
+
+    live = False
+
+    def __init__(self, name: str, dump: Any, *, label: str | None = None) -> None:
+        meta = dump.meta
+        self.name = name
+        self.store = dump
+        self.layout = layout_from_dict(meta.get("layout") or {})
+        self.meta = {
+            "model": label or str(dump.path),
+            "class": meta.get("class"),
+            "device": meta.get("device"),
+            "dtype": meta.get("dtype"),
+            "hook_map": meta.get("hook_map"),
+            "dump": str(dump.path),
+            "captured_model": meta.get("model"),
+        }
+        self._dtype = stored_dtype(str(meta.get("dtype", "float32")))
+        self._device = torch.device(str(meta.get("device", "cpu")))
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def _cannot(self, what: str) -> PairingError:
+        return PairingError(f"the {self.name} is a dump ({self.meta['dump']}): it cannot {what}; give a live model")
+
+    def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
+        raise self._cannot(f"run {path}")
+
+    def run_block(self, path: str, call: Site, hidden: Hidden | None, modules: dict[str, str], frozen: Frozen | None) -> Any:
+        raise self._cannot(f"run {path}")
+
+    def attribute(self, path: str) -> Any:
+        return None
+
+    def in_precision(self, dtype: torch.dtype, device: torch.device) -> None:
+        return None
+
+
+def _replace_all(output: Any, recorded: Any, device: torch.device) -> Any:
+    """``recorded`` in place of ``output``, each floating tensor cast to the dtype of the
+    tensor it replaces (a router's whole decision: logits, weights, indices)."""
+    own = list(iter_tensors(output))
+    position = iter(range(len(own) + 1))
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        i = next(position)
+        return replayed_copy(t, device, own[i].dtype if i < len(own) else None)
+
+    return for_replay(map_structure(recorded, cast), device=device)
+
+
+__all__ = ["Side", "LiveSide", "PrecisionSide", "DumpSide", "Hidden", "Frozen", "SiteKey", "describe"]
