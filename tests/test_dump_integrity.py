@@ -107,12 +107,12 @@ def test_200_truncation_points_raise_blockdiff_error_quickly(small_dump, tmp_pat
 
 def test_the_probe_contains_a_crash_and_a_hang(small_dump, monkeypatch):
     """A file that crashes or hangs libhdf5 becomes a DumpError, not a dead process."""
-    import blockdiff.dump as dump
+    import blockdiff.dump.probe as probe  # probe_file reads PROBE_SCRIPT there
 
-    monkeypatch.setattr(dump, "PROBE_SCRIPT", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    monkeypatch.setattr(probe, "PROBE_SCRIPT", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     with pytest.raises(DumpError, match=r"crashed libhdf5 \(signal 11\)"):
         DumpReader(small_dump)
-    monkeypatch.setattr(dump, "PROBE_SCRIPT", "import time; time.sleep(60)")
+    monkeypatch.setattr(probe, "PROBE_SCRIPT", "import time; time.sleep(60)")
     start = time.monotonic()
     with pytest.raises(DumpError, match="hung inside libhdf5"):
         probe_file(small_dump, timeout=1.0)

@@ -1,0 +1,36 @@
+"""HDF5 activation dumps: the on-disk :class:`~blockdiff.store.SiteStore`.
+
+Capture streams sites into a :class:`DumpWriter`; localization (or a person with plain
+h5py / h5dump) reads them back with :class:`DumpReader`, one block at a time. The format
+is schema v2, documented in ``docs/dump-format.md``:
+
+- file attributes: ``format`` (``"blockdiff.dump"``), ``schema_version``, versions,
+  creation time, the capture's ``meta``, a ``metadata_digest`` and ``complete`` (last);
+- ``/sites/NNNNNN``: one group per site in execution order, its metadata as attributes,
+  its ``args``/``kwargs``/``output`` as a JSON ``structure`` attribute whose tensors are
+  the group's datasets ``t0``, ``t1``, ...;
+- ``/inputs``: the model inputs of the run, encoded the same way.
+
+Tensors are stored losslessly: dtypes numpy has as themselves, the others (bfloat16,
+float8, ...) as raw bits with the torch dtype named in the ``torch_dtype`` attribute.
+Every tensor dataset is chunked (compressed ones with HDF5's fletcher32 filter too) and
+carries a CRC-32C of its bytes, checked on read. A dump is written under a temporary name and renamed only after a
+clean close, so a file at the final path is always complete. Reading never raises
+anything but :class:`~blockdiff.errors.DumpError` for a damaged or foreign file.
+
+The package, by role: :mod:`.format` (format name, schema version, dtype encodings,
+checksums, attributes and the metadata digest), :mod:`.writer` (:class:`DumpWriter`),
+:mod:`.reader` (:class:`DumpReader`) and :mod:`.probe` (:func:`probe_file`, the
+hostile-file probe the reader runs first).
+"""
+
+from __future__ import annotations
+
+from .format import FORMAT, SCHEMA_VERSION
+# docs/dump-format.md names ``blockdiff.dump._metadata_digest`` the reference implementation.
+from .format import _metadata_digest  # noqa: F401
+from .probe import probe_file
+from .reader import DumpReader, VerifySummary
+from .writer import DumpWriter
+
+__all__ = ["DumpWriter", "DumpReader", "VerifySummary", "FORMAT", "SCHEMA_VERSION", "probe_file"]
