@@ -1,9 +1,12 @@
 """blockdiff: find where two implementations of a transformer first diverge, and whether
 it is a bug or precision.
 
-Pipeline: hook map (:mod:`.hookmap`) → capture (:mod:`.capture`) → store
-(:mod:`.store`) → localize (:mod:`.localize`) → compare (:mod:`.compare`) →
-report (:mod:`.report`) → render (:mod:`.render`). :func:`diff` runs it all;
+Pipeline: hook map (:mod:`.hookmap`) → sides (:mod:`.sides`) → capture
+(:mod:`.capture`) → store (:mod:`.store`, :mod:`.dump`) → pairing (:mod:`.pairing`) →
+experiments (:mod:`.experiments`) → localize (:mod:`.localize`) → compare
+(:mod:`.compare`) → report (:mod:`.report`) → render (:mod:`.render`). :func:`run`
+chooses diff, replay or offline comparison from what the two sides are; :func:`diff`
+is the live diff;
 :func:`assert_no_divergence` (:mod:`.assertion`) turns it into a test verdict.
 
 The public names are loaded on first access (PEP 562): the pytest plugin
@@ -32,7 +35,7 @@ from .errors import (  # noqa: E402
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .assertion import DivergenceError, assert_no_divergence
-    from .engine import diff
+    from .engine import Options, RandomTokens, diff, run
     from .hookmap import HookMap, Layout, resolve
     from .report import Report
     from .tolerance import Tolerance
@@ -41,6 +44,9 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
 # Public name → the submodule that defines it (each imports torch).
 _LAZY = {
     "diff": ".engine",
+    "run": ".engine",
+    "Options": ".engine",
+    "RandomTokens": ".engine",
     "Report": ".report",
     "Tolerance": ".tolerance",
     "HookMap": ".hookmap",
@@ -54,6 +60,9 @@ _LAZY = {
 __all__ = [
     "__version__",
     "diff",
+    "run",
+    "Options",
+    "RandomTokens",
     "Report",
     "Tolerance",
     "HookMap",

@@ -1,8 +1,8 @@
-"""Assertions: a diff, or a replay against a golden dump, as a test verdict.
+"""Assertions: a diff as a test verdict.
 
-The test-suite front door to the engine (the pytest plugin's fixtures call it): run
-:func:`~blockdiff.engine.diff` or :func:`~blockdiff.engine.replay`, and when a
-divergence is found raise :class:`DivergenceError`, an ``AssertionError`` whose message
+The test-suite front door to the engine (the pytest plugin's fixtures call it, and so do
+the golden checks of :mod:`blockdiff.golden`): run the engine, and when a divergence is
+found raise :class:`DivergenceError`, an ``AssertionError`` whose message
 is the report for people in a fixed order: the first divergence (block, sub-path,
 module, metric against threshold) on the first line, so pytest's short summary shows it;
 then the rendered report (heatmap and table of local errors); then what to do next.
@@ -35,14 +35,11 @@ if TYPE_CHECKING:
 __all__ = [
     "DivergenceError",
     "assert_no_divergence",
-    "assert_matches_golden",
     "raise_for_divergence",
     "tolerance_from",
     "failure_message",
     "default_next_steps",
     "render_text",
-    "obtained_path",
-    "golden_inputs_digest",
 ]
 
 POLICY = "policy"
@@ -217,19 +214,16 @@ def assert_no_divergence(
     DivergenceError: block 2 ffn (blocks.2.ffn): rel_l2 0.178 > threshold 0.0001 (1779.3x)
     """
     __tracebackhide__ = True
-    from .engine import diff
+    from .engine import Options, run
 
-    tolerance = tolerance_from(tolerances)
-    report = diff(
-        reference,
-        candidate,
-        inputs,
-        tolerance=tolerance,
+    options = Options(
+        tolerance=tolerance_from(tolerances),
         reference_hooks=reference_hooks,
         candidate_hooks=candidate_hooks,
         fast_path=fast_path,
         labels=labels,
     )
+    report = run(reference, candidate, inputs, options=options)
     raise_for_divergence(
         report,
         heading="blockdiff: the candidate first diverges from the reference there",
@@ -275,108 +269,3 @@ def default_next_steps(report: Report) -> list[str]:
     if hint is not None:
         steps.append(hint)
     return steps
-
-
-def _shown(path: Path, relative_to: str | Path | None) -> str:
-    if relative_to is not None:
-        try:
-            return str(Path(path).resolve().relative_to(Path(relative_to).resolve()))
-        except ValueError:
-            pass
-    return str(path)
-
-
-def obtained_path(golden: str | Path) -> Path:
-    """Where a mismatching model's capture goes: ``<name>.obtained.h5`` beside the golden.
-
-    >>> obtained_path("tests/__blockdiff__/test_model.h5").name
-    'test_model.obtained.h5'
-    """
-    golden = Path(golden)
-    return golden.with_name(golden.name.removesuffix(".h5") + ".obtained.h5")
-
-
-def golden_inputs_digest(golden: str | Path) -> str | None:
-    """The digest of the inputs a golden dump was captured on."""
-    from .dump import DumpReader
-
-    with DumpReader(golden) as dump:
-        value = dump.meta.get("inputs_digest")
-    return None if value is None else str(value)
-
-
-def assert_matches_golden(
-    golden: str | Path,
-    model: nn.Module,
-    inputs: Inputs,
-    *,
-    obtained: str | Path | None = None,
-    hooks: HookMap | None = None,
-    fast_path: bool = False,
-    extra_steps: Sequence[str] = (),
-    relative_to: str | Path | None = None,
-    verify_inputs: bool = True,
-    **tolerances: Any,
-) -> Report:
-    """Assert that ``model`` still matches the golden dump ``golden`` on ``inputs``.
-
-    The model is replayed against the dump (:func:`blockdiff.engine.replay`): block by
-    block, with sub-path verdicts, judged by fixed thresholds (a dump holds no live
-    reference modules to calibrate with). On a divergence the model is captured to
-    ``obtained`` (default ``<name>.obtained.h5`` beside the golden), so
-    ``blockdiff diff GOLDEN OBTAINED`` can compare them offline.
-
-    Args:
-        golden: an existing dump, captured with :func:`blockdiff.engine.capture`.
-        model: the model under test.
-        inputs: the inputs the golden was captured on (checked by digest).
-        obtained: where to write the model's capture on a mismatch.
-        hooks: the model's hook map; found by class name when ``None``.
-        fast_path: as for :func:`blockdiff.diff`.
-        extra_steps: what else the failure message suggests, after where the capture is.
-        relative_to: the message shows paths below this directory relative to it (where
-            the person reading it runs commands).
-        verify_inputs: check that ``inputs`` are the golden's (by digest); ``False`` when
-            the caller has checked already.
-        **tolerances: as for :func:`assert_no_divergence`.
-
-    Returns:
-        The replay's report, when nothing diverged.
-
-    Raises:
-        DivergenceError: the model diverges from the golden; ``.obtained`` is the capture.
-        InputError: ``inputs`` are not the inputs the golden was captured on.
-        DumpError: the golden is missing or damaged.
-    """
-    __tracebackhide__ = True
-    from .engine import capture, replay
-    from .inputs import check_inputs, digest
-
-    golden = Path(golden)
-    tolerance = tolerance_from(tolerances)
-    check_inputs(inputs)
-    stored, given = (golden_inputs_digest(golden), digest(inputs)) if verify_inputs else (None, None)
-    if stored != given:
-        raise InputError(
-            f"{golden} was captured on other inputs (digest {stored}) than these (digest {given}); "
-            "capture it again on these inputs"
-        )
-    report = replay(golden, model, tolerance=tolerance, candidate_hooks=hooks, fast_path=fast_path)
-    if report.first_divergence is None:
-        return report
-    obtained = obtained_path(golden) if obtained is None else Path(obtained)
-    capture(model, inputs, obtained, hooks=hooks)
-    shown_golden, shown_obtained = _shown(golden, relative_to), _shown(obtained, relative_to)
-    raise_for_divergence(
-        report,
-        heading=f"blockdiff: the model first diverges from its golden dump {shown_golden} there",
-        extra_steps=[
-            f"the model's activations are in {shown_obtained}",
-            f"compare them offline (drift only): blockdiff diff {shown_golden} {shown_obtained}",
-            f"localize again: blockdiff diff {shown_golden} MODEL",
-            *extra_steps,
-        ],
-        golden=golden,
-        obtained=obtained,
-    )
-    return report  # pragma: no cover (raise_for_divergence raised)

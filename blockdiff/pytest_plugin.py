@@ -2,7 +2,7 @@
 
 A thin front door, registered through the ``pytest11`` entry point as ``blockdiff``: it
 defines the options, the marker and the fixtures, resolves each test's tolerance, and
-calls :mod:`blockdiff.assertion` and :mod:`blockdiff.engine`.
+calls :mod:`blockdiff.assertion`, :mod:`blockdiff.golden` and :func:`blockdiff.engine.run`.
 
 - fixture ``blockdiff``: ``diff(reference, candidate, inputs, **kw) -> Report`` and
   ``assert_close(reference, candidate, inputs, **tolerances)``;
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from . import assertion
+from . import golden as golden_files
 from .assertion import DivergenceError
 from .errors import BlockdiffError
 from .vocab import POLICIES
@@ -97,20 +98,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def parse_tol(item: str) -> tuple[str, float]:
-    """``"ffn=0.05"`` → ``("ffn", 0.05)``.
+    """``"ffn=0.05"`` → ``("ffn", 0.05)`` (:meth:`Tolerance.parse_override`; this imports
+    torch, which a run passing thresholds is about to use anyway).
 
     Raises:
         pytest.UsageError: not ``SUBPATH=VALUE`` with a number.
     """
-    name, sep, number = item.partition("=")
+    from .tolerance import Tolerance
+
     try:
-        if not sep or not name.strip():
-            raise ValueError
-        return name.strip(), float(number)
-    except ValueError:
-        raise pytest.UsageError(
-            f"--blockdiff-tol: expected SUBPATH=VALUE (e.g. ffn=0.05), found {item!r}"
-        ) from None
+        return Tolerance.parse_override(item)
+    except BlockdiffError as exc:
+        raise pytest.UsageError(f"--blockdiff-tol: {exc}") from None
 
 
 def _options(config: pytest.Config) -> dict[str, Any]:
@@ -127,8 +126,7 @@ def _options(config: pytest.Config) -> dict[str, Any]:
             )
         settings[name] = value
     if config.getoption("blockdiff_tols"):
-        # Names and values are checked now, so a typo stops the session before any test runs
-        # (this imports torch, which a run passing thresholds is about to use anyway).
+        # Names and values are checked now, so a typo stops the session before any test runs.
         try:
             assertion.tolerance_from(settings)
         except (TypeError, BlockdiffError) as exc:
@@ -216,7 +214,7 @@ class SessionState:
         for golden, staged in list(self.queued.items()):
             golden.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(staged), str(golden))
-            assertion.obtained_path(golden).unlink(missing_ok=True)
+            golden_files.obtained_path(golden).unlink(missing_ok=True)
             self.written.append(golden)
             del self.queued[golden]
         self.discard_staging()
@@ -360,13 +358,13 @@ class BlockdiffFixture:
 
     def _diff(self, reference: Any, candidate: Any, inputs: Any, kw: dict[str, Any]) -> tuple[Report, Path | None]:
         __tracebackhide__ = True
-        from .engine import diff
+        from .engine import Options, run
 
         engine, tolerances = _split(kw)
         tolerance = assertion.tolerance_from(_settings(self._item, self._state, tolerances))
         folder = _artifact_dir(self._item, self._state)
         try:
-            report = diff(reference, candidate, inputs, tolerance=tolerance, save_dumps=folder, **engine)
+            report = run(reference, candidate, inputs, options=Options(tolerance=tolerance, save_dumps=folder, **engine))
         except BaseException:
             if folder is not None:  # no report to review them with; the error says what failed
                 shutil.rmtree(folder, ignore_errors=True)
@@ -464,9 +462,7 @@ class GoldenFixture:
                 "then commit it with the test",
                 pytrace=False,
             )
-        from .inputs import check_inputs, digest
-
-        stored, given = assertion.golden_inputs_digest(golden), digest(check_inputs(inputs))
+        stored, given = golden_files.inputs_match(golden, inputs)
         if stored != given:
             pytest.fail(
                 f"blockdiff: the golden dump {shown} was captured on other inputs (digest {stored}) "
@@ -479,7 +475,7 @@ class GoldenFixture:
         if folder is not None:
             steps.append(f"the golden, the obtained dump and the JSON report are in {self._state.shown(folder)}")
         try:
-            report = assertion.assert_matches_golden(
+            report = golden_files.assert_matches_golden(
                 golden,
                 model,
                 inputs,
@@ -500,7 +496,7 @@ class GoldenFixture:
                 exc.report.write_json(folder / "report.json")
                 self._state.kept.append(folder)
             raise
-        assertion.obtained_path(golden).unlink(missing_ok=True)  # an earlier mismatch's, now stale
+        golden_files.obtained_path(golden).unlink(missing_ok=True)  # an earlier mismatch's, now stale
         return report
 
     def _update(
@@ -516,23 +512,13 @@ class GoldenFixture:
         """Queue a capture of ``model`` as ``golden``, unless the existing golden still
         holds (same inputs, no divergence): rewriting it would only change its timestamp."""
         __tracebackhide__ = True
-        from .engine import capture, replay
-        from .inputs import digest
-
-        if golden.exists():
-            report = None
-            try:
-                if assertion.golden_inputs_digest(golden) == digest(inputs):
-                    tolerance = assertion.tolerance_from(settings)
-                    report = replay(golden, model, tolerance=tolerance, candidate_hooks=hooks, fast_path=fast_path)
-            except BlockdiffError:
-                report = None  # a damaged or foreign golden is rewritten
-            if report is not None and not report.diverged:
-                self._state.unchanged.append(golden)
-                assertion.obtained_path(golden).unlink(missing_ok=True)
-                return
+        tolerance = assertion.tolerance_from(settings)
+        if golden_files.still_holds(golden, model, inputs, tolerance=tolerance, hooks=hooks, fast_path=fast_path):
+            self._state.unchanged.append(golden)
+            golden_files.obtained_path(golden).unlink(missing_ok=True)
+            return
         staged = self._state.staged_path()
-        capture(model, inputs, staged, hooks=hooks)
+        golden_files.write(staged, model, inputs, hooks=hooks)
         self._state.queue(golden, staged)
 
 

@@ -8,6 +8,9 @@ def test_all_is_exactly_the_public_names():
         [
             "__version__",
             "diff",
+            "run",
+            "Options",
+            "RandomTokens",
             "Report",
             "Tolerance",
             "HookMap",

@@ -250,9 +250,8 @@ class DumpWriter:
     ...     w.add(site)                                              # doctest: +SKIP
     """
 
-    # capture.record may hand over the model's own CPU tensors: each site is written before
-    # add returns, after a check that none of them changed since its hook.
-    records_by_reference = "written"
+    # Capture may hand over the model's own CPU tensors (capture.record_once, hold="written"):
+    # each site is written before add returns, after a check that none changed since its hook.
 
     def __init__(
         self, path: str | os.PathLike, *, meta: dict[str, Any], compress: str | None = None, checksums: bool = True
