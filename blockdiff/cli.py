@@ -1,7 +1,8 @@
 """The ``blockdiff`` command: a thin front door that parses options and calls the library.
 
 Exit codes: 0 no divergence, 1 divergence found, 2 usage or input error (one line on
-stderr; the traceback only with ``--debug``), 130 interrupted.
+stderr; the traceback only with ``--debug``), 3 an internal error of blockdiff (one line
+naming the file that holds the traceback), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .errors import BlockdiffError
 
 EXIT_DIVERGED = 1
 EXIT_ERROR = 2
+EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
 
 _state = {"debug": bool(os.environ.get("BLOCKDIFF_DEBUG"))}
@@ -482,6 +484,30 @@ def main(argv: list[str] | None = None) -> Any:
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    except Exception as exc:  # a bug in blockdiff: model code's exceptions are BlockdiffErrors by now
+        _internal_error(exc)
+
+
+def _internal_error(exc: BaseException) -> None:
+    """One line naming the error and where its traceback was saved; exit 3."""
+    import tempfile
+
+    text = "".join(traceback.format_exception(exc))
+    if _state["debug"]:
+        click.echo(text, err=True, nl=False)
+    saved = ""
+    try:
+        with tempfile.NamedTemporaryFile("w", prefix="blockdiff-traceback-", suffix=".txt", delete=False) as out:
+            out.write(text)
+        saved = f"; the traceback is in {out.name}"
+    except OSError:
+        pass
+    click.echo(
+        f"Internal error: {type(exc).__name__}: {exc} (a bug in blockdiff, not in your models{saved}; "
+        "please report it, or re-run with --debug)",
+        err=True,
+    )
+    sys.exit(EXIT_INTERNAL)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,10 +25,12 @@ Inputs = Any  # torch.Tensor | tuple | dict
 
 
 def model_device(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
+    """Where the model computes: its first parameter's (or buffer's) device. Parameters on
+    the ``meta`` device (offloaded by accelerate, loaded in at each call) do not count."""
+    for tensors in (model.parameters(), model.buffers()):
+        for tensor in tensors:
+            if tensor.device.type != "meta":
+                return tensor.device
     return torch.device("cpu")
 
 

@@ -21,8 +21,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .dtypes import parse_dtype  # noqa: F401  (re-exported: the CLI's import)
+from .dtypes import dtype_name, parse_dtype  # noqa: F401  (parse_dtype re-exported: the CLI's import)
 from .errors import InputError, ModelSpecError
+from .inputs import model_device, model_dtype
 from .weights import trained_looking_
 
 # Weight seed of models built from a config.json: fixed, so both sides agree.
@@ -236,7 +237,39 @@ def build_model(spec: str, *, device: torch.device, dtype: torch.dtype) -> nn.Mo
             f"model spec {spec!r}: the factory returned a {type(model).__name__}, expected a torch nn.Module",
             spec=spec,
         )
-    return model.to(device=device, dtype=dtype).eval()
+    return place(model, device=device, dtype=dtype).eval()
+
+
+def dispatched(model: nn.Module) -> bool:
+    """Whether a loader placed the model's modules itself (accelerate's ``device_map``,
+    CPU or disk offload): its hooks move weights in at each call, and the model cannot be
+    moved as a whole."""
+    return getattr(model, "hf_device_map", None) is not None or any(
+        hasattr(module, "_hf_hook") for module in model.modules()
+    )
+
+
+def place(model: nn.Module, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``model`` on ``device`` in ``dtype``, moved and cast only where it is not already.
+
+    A model a loader dispatched (:func:`dispatched`) is used as it comes. Moving and
+    casting are separate positional ``.to`` calls, which every ``nn.Module`` subclass
+    accepts (TransformerLens's ``HookedTransformer.to`` takes no keywords).
+    """
+    if dispatched(model):
+        if model_dtype(model) != dtype:
+            raise ModelSpecError(
+                f"the model was placed by its loader (accelerate device_map or offload) in "
+                f"{dtype_name(model_dtype(model))}, not {dtype_name(dtype)}; blockdiff does not move or cast "
+                f"such a model: load it in {dtype_name(dtype)} (torch_dtype=...), or ask for "
+                f"{dtype_name(model_dtype(model))} (--ref-dtype/--cand-dtype)"
+            )
+        return model
+    if model_device(model) != device:
+        model = model.to(device)
+    if model_dtype(model) != dtype:
+        model = model.to(dtype)
+    return model
 
 
 DUMP_SUFFIXES = (".h5", ".hdf5")
