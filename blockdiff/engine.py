@@ -281,7 +281,15 @@ def diff(
             _stream(side, inputs, path)
             # The dumps were just written by this process: no need to probe them.
             side.store = stack.enter_context(DumpReader(path, probe=False))
-        return localize()
+
+        def streamed_free_run(side: Side) -> DumpReader:
+            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="blockdiff-")))
+            _stream(side, inputs, scratch / "free-run.h5")
+            return stack.enter_context(DumpReader(scratch / "free-run.h5", probe=False))
+
+        return _localize(
+            ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, free_run=streamed_free_run
+        )
 
 
 def replay(
@@ -388,13 +396,21 @@ def _localize(
     *,
     fast_path: bool,
     capacity_factors: tuple[float, ...],
+    free_run: Callable[[Side], Any] | None = None,
 ) -> Report:
-    """Localize two recorded sides into a report."""
+    """Localize two recorded sides into a report. ``free_run(side)`` records the reference
+    at the candidate's precision for drift floors, into a store it returns (in memory
+    when not given)."""
     tolerance = (tolerance or Tolerance()).resolved(
         same_dtype=ref.dtype == cand.dtype,
         same_device=ref.device == cand.device,
     )
     localizer = Localizer(ref, cand, tolerance, fast_path=fast_path, capacity_factors=capacity_factors)
+    floor = localizer.experiments.floor_side
+    if floor is not None and cand.live and inputs is not None:
+        # Drift floors: the reference's own free run at the candidate's precision.
+        record = free_run or (lambda side: _record_in_memory(side, inputs))
+        localizer.experiments.free_run = record(floor)
     with torch.inference_mode():
         stages = _run("candidate", lambda: list(localizer.stages()))
         blocks = _run("candidate", lambda: _counted(localizer.blocks(), "localize", len(cand.layout.blocks)))
@@ -417,6 +433,12 @@ def _localize(
         )
         report.tolerance["policy"] = "fixed"
     return report
+
+
+def _record_in_memory(side: Side, inputs: Inputs) -> MemoryStore:
+    store = MemoryStore(side.meta)
+    _run(side.name, side.record, inputs, store, hold="kept", progress=None)
+    return store
 
 
 def _stream(side: LiveSide, inputs: Inputs, path: str | Path, *, compress: str | None = None) -> None:

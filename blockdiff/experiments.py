@@ -32,7 +32,8 @@ from .report import Check
 from .sides import Frozen, Side
 from .site import Site, describe_key, primary_tensor
 from .tolerance import Tolerance, working_dtype
-from .vocab import BLOCK_TARGET
+from .store import SiteStore
+from .vocab import BLOCK_TARGET, DRIFT
 
 T = TypeVar("T")
 
@@ -52,6 +53,9 @@ class Experiments:
         self.dtype = working_dtype(reference.dtype, candidate.dtype)
         # The reference's own code at the candidate's precision, when it can run.
         self.floor_side = reference.in_precision(self.dtype, candidate.device) if tolerance.calibrated else None
+        # The reference's whole free run at the candidate's precision: drift floors.
+        self.free_run: SiteStore | None = None
+        self._free_run_cache: tuple[int | None, dict] = (-1, {})
 
     @property
     def calibrated(self) -> bool:
@@ -72,6 +76,29 @@ class Experiments:
         if ref_out is None or cand_out is None:
             return None
         return metrics(ref_out, aligned(describe_key(c.key), "output", ref_out, cand_out), dtype=self.dtype)
+
+    def drift_check(self, r: Site, c: Site) -> Check | None:
+        """Drift judged: against its calibrated floor — the drift of the reference's own
+        free run at the candidate's precision (:attr:`free_run`, recorded by the engine) —
+        or the fixed threshold."""
+        drift = self.drift(r, c)
+        if drift is None:
+            return None
+        floor = None
+        own = self._free_run_site(r)
+        if own is not None:
+            floor_drift = self.drift(r, own)
+            floor = None if floor_drift is None else floor_drift.rel_l2
+        return Check(DRIFT, c.module, drift, self.tolerance.threshold(DRIFT, self.dtype, floor))
+
+    def _free_run_site(self, r: Site) -> Site | None:
+        if self.free_run is None:
+            return None
+        where = r.block
+        if self._free_run_cache[0] != where:  # one block's (or the stages') sites at a time
+            sites = self.free_run.outside_sites() if where is None else self.free_run.block_sites(where)
+            self._free_run_cache = (where, {s.key: s for s in sites})
+        return self._free_run_cache[1].get(r.key)
 
     # -- one module --------------------------------------------------------------------
 

@@ -258,6 +258,16 @@ class PrecisionSide(LiveSide):
     def module(self, path: str) -> nn.Module:
         return copy.deepcopy(self.model.get_submodule(path)).to(device=self._device, dtype=self.cast)
 
+    def record(
+        self, inputs: Inputs, store: SiteStore, *, hold: str | None = None, progress: Callable[[int, int], None] | None = None
+    ) -> Recording:
+        """The whole model's free run at this precision (a copy of the model; the drift
+        floors). The copy's tensors are its own: held by reference, never checked again."""
+        self.store = store
+        model = self.module("") if self.model is not None else None
+        with torch.no_grad():
+            return record_once(model, self.layout, store, inputs, hold="kept", progress=progress)
+
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
         return PrecisionSide(self, dtype, device)
 

@@ -16,7 +16,7 @@ ModuleSubpath = Literal["attention", "ffn", "norm"]
 # A block's sub-path as recorded by capture: a module sub-path, or an MoE's router.
 SiteSubpath = Literal["attention", "ffn", "norm", "router"]
 Policy = Literal["fixed", "calibrated"]
-Target = Literal["embed", "context", "attention", "ffn", "norm", "residual", "block", "final_norm", "head"]
+Target = Literal["embed", "context", "attention", "ffn", "norm", "residual", "block", "final_norm", "head", "drift"]
 RouterFormat = Literal["topk", "switch"]
 
 STAGES: tuple[Stage, ...] = get_args(Stage)
@@ -41,5 +41,9 @@ ROUTER_WEIGHTS = "router weights (tokens whose top-k agree)"
 ROUTING_FLIPS = "routing flips"
 EXPERTS = "experts (routing frozen at the reference's)"
 OFFLINE_DRIFT = "drift (offline)"
+# The free-running candidate judged against its tolerance at a site: the "drift" target,
+# calibrated against the reference's own free run at the candidate's precision. Its
+# divergence, when no local check explains it, is blamed on the sub-path "drift".
+DRIFT = "drift"
 # The part of an MoE ffn a check judges (``Check.part``), by its kind.
 PART_OF = {ROUTER_LOGITS: "router", ROUTER_WEIGHTS: "router", ROUTING_FLIPS: "router", EXPERTS: "experts"}
