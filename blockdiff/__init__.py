@@ -3,7 +3,8 @@ it is a bug or precision.
 
 Pipeline: hook map (:mod:`.hookmap`) → capture (:mod:`.capture`) → store
 (:mod:`.store`) → localize (:mod:`.localize`) → compare (:mod:`.compare`) →
-report (:mod:`.report`) → render (:mod:`.render`). :func:`diff` runs it all;
+report (:mod:`.report`) → view (:mod:`.view`) → render (:mod:`.render`, :mod:`.plot`,
+:mod:`.html`). :func:`diff` runs it all;
 :func:`assert_no_divergence` (:mod:`.assertion`) turns it into a test verdict.
 
 The public names are loaded on first access (PEP 562): the pytest plugin
