@@ -4,9 +4,9 @@ it is a bug or precision.
 Pipeline: hook map (:mod:`.hookmap`) → sides (:mod:`.sides`) → capture
 (:mod:`.capture`) → store (:mod:`.store`, :mod:`.dump`) → pairing (:mod:`.pairing`) →
 experiments (:mod:`.experiments`) → localize (:mod:`.localize`) → compare
-(:mod:`.compare`) → report (:mod:`.report`) → render (:mod:`.render`). :func:`run`
-chooses diff, replay or offline comparison from what the two sides are; :func:`diff`
-is the live diff;
+(:mod:`.compare`) → report (:mod:`.report`) → view (:mod:`.view`) → render
+(:mod:`.render`, :mod:`.plot`, :mod:`.html`). :func:`run` chooses diff, replay or
+offline comparison from what the two sides are; :func:`diff` is the live diff;
 :func:`assert_no_divergence` (:mod:`.assertion`) turns it into a test verdict.
 
 The public names are loaded on first access (PEP 562): the pytest plugin

@@ -43,8 +43,6 @@ __all__ = [
 ]
 
 POLICY = "policy"
-# How the rendered report's closing advice, written for the CLI, begins.
-_CLI_ADVICE = "next: "
 
 
 class DivergenceError(AssertionError):
@@ -123,7 +121,8 @@ def tolerance_from(settings: Mapping[str, Any]) -> Tolerance:
 
 
 def render_text(report: Report) -> str:
-    """The terminal report as plain text, 120 columns wide, without colour codes."""
+    """The terminal report as plain text, 120 columns wide, without colour codes and
+    without the CLI's closing advice (`--json PATH`, ...): a test failure gives its own."""
     from rich.console import Console
 
     from .render import render
@@ -131,14 +130,8 @@ def render_text(report: Report) -> str:
     out = io.StringIO()
     # force_terminal=False: FORCE_COLOR in the environment must not put escape codes
     # into an exception message.
-    render(report, Console(file=out, no_color=True, width=120, force_terminal=False, highlight=False))
-    lines = [line.rstrip() for line in out.getvalue().rstrip().splitlines()]
-    # The renderer ends with the CLI's advice (`--json PATH`, ...); a test failure gives
-    # its own after the report.
-    advice = [i for i, line in enumerate(lines) if line.startswith(_CLI_ADVICE)]
-    if advice and len(lines) - advice[-1] <= 3:  # the advice line, perhaps wrapped
-        del lines[advice[-1] :]
-    return "\n".join(lines).rstrip()
+    render(report, Console(file=out, no_color=True, width=120, force_terminal=False, highlight=False), advice=None)
+    return "\n".join(line.rstrip() for line in out.getvalue().rstrip().splitlines()).rstrip()
 
 
 def _target(first: Divergence) -> str:

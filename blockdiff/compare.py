@@ -10,7 +10,8 @@ gets an infinite relative L2, so it always exceeds its tolerance.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 
@@ -37,12 +38,28 @@ class Metrics:
     def to_dict(self) -> dict:
         return {k: json_number(v) for k, v in asdict(self).items()}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Metrics:
+        """The metrics of :meth:`to_dict`, or of a dict that holds them among other keys (a
+        check's)."""
+        return cls(**{f.name: from_json_number(data[f.name]) for f in fields(cls)})
+
 
 def json_number(value: float | int) -> float | int | str:
     """JSON has no Infinity or NaN: those are written as the strings "inf", "-inf", "nan"."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     return value
+
+
+def from_json_number(value: Any) -> Any:
+    """The inverse of :func:`json_number`: ``"inf"``, ``"-inf"`` and ``"nan"`` back to
+    floats; numbers and ``None`` as they are.
+
+    >>> from_json_number("inf"), from_json_number(3), from_json_number(None)
+    (inf, 3, None)
+    """
+    return float(value) if isinstance(value, str) else value
 
 
 def metrics(reference: torch.Tensor, candidate: torch.Tensor, *, dtype: torch.dtype | None = None) -> Metrics:

@@ -1,12 +1,14 @@
-"""HTML: a report as one self-contained page, drawn from its JSON form.
+"""HTML: a report as one self-contained page.
 
 Beside the terminal (:mod:`.render`) and the PNG (:mod:`.plot`) at the end of the
-pipeline. The page fetches nothing: CSS is inline, the heatmap is a table with inline
-colours, the figure (when matplotlib is installed) is an inline ``data:`` PNG, and the
-report itself is embedded as JSON in ``<script type="application/json"
-id="blockdiff-report">`` so the page is also the data. Fixed order, as in the terminal:
-the first divergence in plain text, notes, the sites × sub-paths table with drift, the
-figure, every divergence, the MoE routing table.
+pipeline, it lays out the report's :class:`~.view.View`, so it takes a
+:class:`~.report.Report` or its ``blockdiff.report/1`` dict alike. The page fetches
+nothing: CSS is inline, the heatmap is a table with inline colours, the figure (when
+matplotlib is installed) is an inline ``data:`` PNG, and the report itself is embedded
+as JSON in ``<script type="application/json" id="blockdiff-report">`` so the page is
+also the data (the dict it was given, or the report's ``to_dict()``). Fixed order, as
+in the terminal: the first divergence in plain text, notes, the sites × sub-paths table
+with drift, the figure, every divergence, the MoE routing table.
 
 Everything that comes from the user (model specs, class and module names, notes) is
 escaped with :func:`html.escape`; the embedded JSON escapes ``<``, ``>`` and ``&`` so no
@@ -19,15 +21,25 @@ import base64
 import html
 import io
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from .errors import BlockdiffError
-from .plot import ROWS, Cell, Column, as_dict, columns, figure, headline, number, ratio_colour
-from .render import LEGEND, SYMBOLS, level, sparkline
+from .plot import figure
 from .report import Report
-from .site import SUBPATHS
+from .view import (
+    LEGEND,
+    MOE_COLUMNS,
+    ROWS,
+    SYMBOLS,
+    Cell,
+    Column,
+    MoeRow,
+    View,
+    fmt,
+    ratio_colour,
+)
+from .vocab import SUBPATHS, UNATTRIBUTED
 
 __all__ = ["document", "write_html"]
 
@@ -60,14 +72,6 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _fmt(value: float | None, spec: str = ".2e") -> str:
-    if value is None:
-        return ""
-    if not math.isfinite(value):
-        return str(value)
-    return format(value, spec)
-
-
 def _text_colour(background: str) -> str:
     r, g, b = (int(background[k : k + 2], 16) for k in (1, 3, 5))
     return "#fff" if 0.299 * r + 0.587 * g + 0.114 * b < 140 else "#000"
@@ -77,25 +81,19 @@ def _cell(cell: Cell, *, blank: bool = False) -> str:
     """One table cell: the local error, its symbol and ratio, coloured by the ratio."""
     if blank:
         return "<td></td>"
-    kind = level(cell.ratio, cell.diverged, cell.status if cell.ratio is not None else "absent")
     if cell.ratio is None:
         text = "not needed" if cell.status == "not_needed" else "absent"
         return f'<td class="none" title="{_e(text)}"><span class="sym">{SYMBOLS["none"]}</span></td>'
-    nonfinite_ref, nonfinite_cand = cell.nonfinite
-    if nonfinite_cand != nonfinite_ref:
-        shown = f"{nonfinite_cand} non-finite"
-    else:
-        shown = _fmt(cell.value)
     background = ratio_colour(cell.ratio)
     style = f"background:{background};color:{_text_colour(background)}"
     title = (
-        f"{cell.module}: {cell.what}; {cell.metric} {_fmt(cell.value, '.3g')}, "
-        f"threshold {_fmt(cell.threshold, '.3g')}, ratio {_fmt(cell.ratio, '.3g')}"
+        f"{cell.module}: {cell.what}; {cell.metric} {fmt(cell.value, '.3g')}, "
+        f"threshold {fmt(cell.threshold, '.3g')}, ratio {fmt(cell.ratio, '.3g')}"
     )
     classes = ' class="diverged"' if cell.diverged else ""
     return (
-        f'<td{classes} style="{style}" title="{_e(title)}">{_e(shown)} '
-        f'<span class="sym">{SYMBOLS[kind]}</span><br><small>{_e(_fmt(cell.ratio, ".3g"))}x</small></td>'
+        f'<td{classes} style="{style}" title="{_e(title)}">{_e(cell.text)} '
+        f'<span class="sym">{SYMBOLS[cell.level]}</span><br><small>{_e(fmt(cell.ratio, ".3g"))}x</small></td>'
     )
 
 
@@ -103,11 +101,10 @@ def _heat_table(cols: list[Column]) -> str:
     head = "".join(f"<th>{_e(name)}</th>" for name in ROWS)
     rows = []
     for col in cols:
-        name = f"block {col.block}" if col.stage == "block" else col.stage
         cells = "".join(_cell(col.cells[row], blank=col.stage != "block" and row in SUBPATHS) for row in ROWS)
         rows.append(
-            f'<tr><td class="name">{_e(name)} <small class="meta">{_e(col.module)}</small></td>'
-            f"{cells}<td>{_e(_fmt(col.drift))}</td></tr>"
+            f'<tr><td class="name">{_e(col.name)} <small class="meta">{_e(col.module)}</small></td>'
+            f"{cells}<td>{_e(fmt(col.drift))}</td></tr>"
         )
     return (
         '<table class="heat" id="heatmap">\n'
@@ -116,25 +113,14 @@ def _heat_table(cols: list[Column]) -> str:
     )
 
 
-def _side_table(data: dict[str, Any]) -> str:
+def _side_table(report: Report) -> str:
     keys = ("model", "class", "device", "dtype", "hook_map")
     head = "".join(f"<th>{_e(k.replace('_', ' '))}</th>" for k in keys)
     rows = []
-    for side in ("reference", "candidate"):
-        entry = data.get(side) or {}
+    for side, entry in (("reference", report.reference), ("candidate", report.candidate)):
         cells = "".join(f'<td class="name">{_e(entry.get(k, ""))}</td>' for k in keys)
         rows.append(f'<tr><th class="name">{side}</th>{cells}</tr>')
     return f'<table class="sides"><thead><tr><th></th>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
-
-
-def _drop_rate(stats: dict[str, Any]) -> str:
-    if stats.get("capacity") is not None:
-        return f"{number(stats['assignment_drop_rate']):.1%}"
-    counterfactual = stats.get("counterfactual") or {}
-    if not counterfactual:
-        return "—"
-    cf, entry = next(iter(counterfactual.items()))
-    return f"{number(entry['assignment_drop_rate']):.1%} @cf{cf}"
 
 
 def _counts(counts: list[int]) -> str:
@@ -147,37 +133,21 @@ def _counts(counts: list[int]) -> str:
     return f'<td class="name counts">{spans}</td>'
 
 
-def _moe_table(moe: list[dict[str, Any]]) -> str:
-    names = ("block", "side", "entropy", "max load", "min load", "drops", "top-k agree", "flips", "tokens per expert")
-    head = "".join(f"<th>{n}</th>" for n in names)
+def _moe_table(moe: list[MoeRow]) -> str:
+    head = "".join(f"<th>{n}</th>" for n in MOE_COLUMNS)
     rows = []
-    for entry in moe:
-        agreement = entry.get("agreement") or {}
-        local = entry.get("local_flips") or {}
-        flips = f"{local.get('flipped', 0)} ({local.get('unexplained', 0)} unexplained)" if local else "—"
-        for side in ("reference", "candidate"):
-            stats = entry[side]
-            first = side == "reference"
-            cells = [
-                _e(entry["block"]) if first else "",
-                "ref" if first else "cand",
-                f"{number(stats['routing_entropy_norm']):.3f}",
-                f"{number(stats['max_load']):.1%}",
-                f"{number(stats['min_load']):.1%}",
-                _e(_drop_rate(stats)),
-                f"{number(agreement['topk_agreement']):.1%}" if first and "topk_agreement" in agreement else "",
-                _e(flips) if first else "",
-            ]
-            rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + _counts(stats["counts"]) + "</tr>")
+    for row in moe:
+        cells = "".join(f"<td>{_e(c)}</td>" for c in row.cells)
+        rows.append(f"<tr>{cells}{_counts(row.counts)}</tr>")
     return (
         '<table class="moe" id="moe">\n'
         f"<thead><tr>{head}</tr></thead>\n<tbody>\n" + "\n".join(rows) + "\n</tbody>\n</table>"
     )
 
 
-def _image(data: dict[str, Any]) -> str:
+def _image(view: View) -> str:
     try:
-        fig = figure(data)
+        fig = figure(view)
     except BlockdiffError:
         return '<p class="meta">(the figure needs matplotlib: <code>pip install \'blockdiff[plot]\'</code>)</p>'
     buffer = io.BytesIO()
@@ -195,17 +165,19 @@ def _embedded_json(data: dict[str, Any]) -> str:
 
 def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
     """The HTML page of ``report`` as a string (see :func:`write_html`)."""
-    data = as_dict(report)
-    cols = columns(data)
-    ref, cand = data.get("reference") or {}, data.get("candidate") or {}
-    first = data.get("first_divergence")
+    view = View.of(report)
+    # The page embeds the dict it was given (a saved file as it was), or the report's own.
+    data = report.to_dict() if isinstance(report, Report) else report
+    report = view.report
+    ref, cand = report.reference, report.candidate
+    first = view.first
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en">',
         "<head>",
         '<meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f'<meta name="generator" content="blockdiff {_e(data.get("blockdiff_version", ""))}">',
+        f'<meta name="generator" content="blockdiff {_e(report.version)}">',
         f"<title>blockdiff: {_e(ref.get('model', '?'))} vs {_e(cand.get('model', '?'))}</title>",
         f"<style>{_CSS}</style>",
         "</head>",
@@ -213,8 +185,8 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
         "<h1>blockdiff report</h1>",
     ]
     if first:
-        parts.append(f'<p class="verdict diverged" id="verdict"><strong>First divergence</strong>: {_e(headline(first))}</p>')
-        if first.get("subpath") == "unattributed":
+        parts.append(f'<p class="verdict diverged" id="verdict"><strong>First divergence</strong>: {_e(first.headline())}</p>')
+        if first.subpath == UNATTRIBUTED:
             parts.append(
                 "<p>The block diverges but no sub-path explains it: the hook map may be missing a "
                 "module; check it with <code>blockdiff arch</code>.</p>"
@@ -224,21 +196,20 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
             '<p class="verdict clean" id="verdict"><strong>No divergence</strong>: '
             "every local error is within tolerance.</p>"
         )
-    nonfinite = data.get("first_nonfinite")
+    nonfinite = report.first_nonfinite
     if nonfinite:
         parts.append(
             f"<p>Non-finite: the free-running candidate first holds {_e(nonfinite.get('nonfinite_cand'))} "
             f"NaN/Inf values at {_e(nonfinite.get('site'))} ({_e(nonfinite.get('module'))}).</p>"
         )
-    tolerance = data.get("tolerance") or {}
-    inputs = data.get("inputs") or {}
+    tolerance, inputs = report.tolerance, report.inputs
     parts += [
-        _side_table(data),
+        _side_table(report),
         (f'<p class="meta">tolerance {_e(tolerance.get("policy", "?"))}; inputs {_e(inputs.get("kind", "?"))} '
-        f'{_e(inputs.get("shape", ""))}; blockdiff {_e(data.get("blockdiff_version", ""))}; '
-        f'created {_e(data.get("created", ""))}</p>'),
+        f'{_e(inputs.get("shape", ""))}; blockdiff {_e(report.version)}; '
+        f'created {_e(report.created)}</p>'),
     ]
-    notes = data.get("notes") or []
+    notes = report.notes
     if notes:
         parts.append("<ul class=\"notes\">" + "".join(f"<li>note: {_e(n)}</li>" for n in notes) + "</ul>")
     parts += [
@@ -246,31 +217,27 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
         (f'<p class="legend">Cells: local error (rel L2), symbol, and ratio to the threshold '
         f"(colour, log scale: green below, red above). {_e(LEGEND)}. Hover a cell for its module "
         "and threshold. Drift: the free-running candidate against the reference.</p>"),
-        _heat_table(cols),
+        _heat_table(view.columns),
     ]
-    blocks = [c for c in cols if c.stage == "block"]
-    if blocks:
-        drifts = [c.drift for c in blocks]
-        finite = [v for v in drifts if v is not None and math.isfinite(v)]
-        scale = f" rel L2 {min(finite):.2g} … {max(finite):.2g}, log scale" if finite else ""
+    if view.blocks:
+        scale = f" {view.drift_scale}" if view.drift_scale else ""
         parts += [
             "<h2>Drift per block</h2>",
-            (f'<p><span class="spark" id="drift-sparkline">{_e(sparkline(drifts))}</span>'
+            (f'<p><span class="spark" id="drift-sparkline">{_e(view.drift_sparkline)}</span>'
             f'<span class="meta">{_e(scale)}</span></p>'),
         ]
     if image:
-        parts.append(_image(data))
-    divergences = data.get("divergences") or []
+        parts.append(_image(view))
+    divergences = view.divergences
     if len(divergences) > 1:
         parts.append(f"<h2>{len(divergences)} divergent sites</h2>")
-        parts.append("<ol>" + "".join(f"<li>{_e(headline(d))}</li>" for d in divergences) + "</ol>")
-    moe = data.get("moe") or []
-    if moe:
+        parts.append("<ol>" + "".join(f"<li>{_e(d.headline())}</li>" for d in divergences) + "</ol>")
+    if view.moe:
         parts += [
             "<h2>MoE routing per block</h2>",
             ('<p class="legend">Entropy normalized by ln E; drops at the model\'s capacity, or counterfactual '
             "at the first capacity factor; tokens per expert before capacity.</p>"),
-            _moe_table(moe),
+            _moe_table(view.moe),
         ]
     parts += [
         f'<script type="application/json" id="blockdiff-report">\n{_embedded_json(data)}\n</script>',

@@ -2,7 +2,9 @@
 
 A :class:`Report` holds, per stage outside blocks and per block, the local-error checks of
 every sub-path, the block-level check and the drift, and derives the divergences from
-them. ``Report.to_dict()`` is the JSON contract documented in ``docs/report-format.md``.
+them. ``Report.to_dict()`` is the JSON contract documented in ``docs/report-format.md``;
+``Report.from_dict()`` reads it back (a saved ``--json`` file), so the renderers after
+this step (:mod:`.view`) read one kind of report whichever way it came.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .compare import Metrics, json_number
-from .vocab import PART_OF, SUBPATHS, UNATTRIBUTED
+from .compare import Metrics, from_json_number, json_number
+from .errors import BlockdiffError
 from .tolerance import Threshold
+from .vocab import BEFORE_BLOCKS, PART_OF, SUBPATHS, UNATTRIBUTED
 
 SCHEMA = "blockdiff.report/1"
 
@@ -96,6 +99,30 @@ class Check:
             out["details"] = self.details
         return out
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Check:
+        """The check of :meth:`to_dict`; ``part``, ``ratio``, ``diverged`` and ``tolerated``
+        are derived again."""
+        return cls(
+            what=data["what"],
+            module=data["module"],
+            metrics=Metrics.from_dict(data) if "rel_l2" in data else None,
+            threshold=Threshold(
+                from_json_number(data["threshold"]),
+                data["basis"],
+                from_json_number(data.get("floor")),
+                from_json_number(data.get("default_threshold")),
+            ),
+            value=from_json_number(data["value"]) if "value" in data else None,
+            metric=data.get("metric", "rel_l2"),
+            details=data.get("details"),
+        )
+
+
+def _optional(value: Any, read: Any) -> Any:
+    """``read(value)``, or ``None`` for ``None``."""
+    return None if value is None else read(value)
+
 
 @dataclass
 class SubpathResult:
@@ -121,6 +148,11 @@ class SubpathResult:
         out["checks"] = [c.to_dict() for c in self.checks]
         return out
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SubpathResult:
+        """The sub-path of :meth:`to_dict` (its ``order`` is set by :meth:`Report.from_dict`)."""
+        return cls(data["status"], [Check.from_dict(c) for c in data["checks"]])
+
 
 @dataclass
 class StageResult:
@@ -131,6 +163,23 @@ class StageResult:
     local: Check | None
     drift: Metrics | None
     order: float = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "module": self.module,
+            "local": _optional(self.local, Check.to_dict),
+            "drift": _optional(self.drift, Metrics.to_dict),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StageResult:
+        return cls(
+            data["stage"],
+            data["module"],
+            _optional(data.get("local"), Check.from_dict),
+            _optional(data.get("drift"), Metrics.from_dict),
+        )
 
 
 @dataclass
@@ -143,6 +192,42 @@ class BlockResult:
     drift: Metrics | None
     order: float = 0
     unmapped: list[str] = field(default_factory=list)
+
+    def blamed(self, subpath: str) -> str:
+        """The sub-path a divergence of ``subpath`` is reported on: ``residual`` is
+        ``unattributed`` when modules outside every sub-path ran unfrozen with the glue."""
+        return UNATTRIBUTED if subpath == "residual" and self.unmapped else subpath
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "module": self.module,
+            "stack": self.stack,
+            "subpaths": {
+                name: (self.subpaths[name].to_dict() if name in self.subpaths else {"status": "absent", "diverged": False})
+                for name in SUBPATHS
+            },
+            "block": _optional(self.block, Check.to_dict),
+            "drift": _optional(self.drift, Metrics.to_dict),
+            "unmapped": self.unmapped,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BlockResult:
+        """The block of :meth:`to_dict`: an ``absent`` sub-path (no ``checks``) is left out,
+        as it was; orders are set by :meth:`Report.from_dict`."""
+        stored = data.get("subpaths") or {}
+        return cls(
+            index=data["index"],
+            module=data["module"],
+            stack=data.get("stack", ""),
+            subpaths={
+                name: SubpathResult.from_dict(stored[name]) for name in SUBPATHS if "checks" in stored.get(name, {})
+            },
+            block=_optional(data.get("block"), Check.from_dict),
+            drift=_optional(data.get("drift"), Metrics.from_dict),
+            unmapped=list(data.get("unmapped", [])),
+        )
 
 
 @dataclass
@@ -172,8 +257,18 @@ class Divergence:
             "nonfinite_cand": nonfinite_cand,
         }
 
+    @property
+    def where(self) -> str:
+        """Where it is, in words: ``block 1 ffn``, ``head``."""
+        return f"block {self.block} {self.subpath}" if self.stage == "block" else self.stage
+
     def headline(self) -> str:
-        where = f"block {self.block} {self.subpath}" if self.stage == "block" else self.stage
+        """The divergence in one line, as every renderer states it.
+
+        >>> first.headline()  # doctest: +SKIP
+        'block 1 ffn (blocks.1.ffn): rel_l2 0.162 > threshold 0.0001 (1619.6x)'
+        """
+        where = self.where
         if self.check.part is not None:
             where += f" [{self.check.part}: {self.check.what}]"
         nonfinite_ref, nonfinite_cand = self.check.nonfinite
@@ -219,12 +314,8 @@ class Report:
                     any_subpath = True
                     worst = result.worst
                     assert worst is not None
-                    if name == "residual" and block.unmapped:
-                        # Modules outside every sub-path ran unfrozen: the glue is not alone.
-                        name = UNATTRIBUTED
-                    found.append(
-                        (result.order, Divergence("block", block.index, name, worst.module, worst, block.stack))
-                    )
+                    blamed = block.blamed(name)
+                    found.append((result.order, Divergence("block", block.index, blamed, worst.module, worst, block.stack)))
             tolerated = any(c.tolerated for r in block.subpaths.values() for c in r.checks)
             if not any_subpath and not tolerated and block.block is not None and block.block.diverged:
                 # The block diverges but no sub-path explains it: never pass it silently.
@@ -243,6 +334,23 @@ class Report:
     def diverged(self) -> bool:
         return self.first_divergence is not None
 
+    @property
+    def stacks(self) -> list[str]:
+        """The block lists, in the order of their blocks (two for an encoder-decoder)."""
+        return list(dict.fromkeys(b.stack for b in self.blocks))
+
+    def stack_of(self, stage: StageResult) -> str | None:
+        """The block list a stage belongs to when there are several: the one whose parent
+        module holds it (``encoder.final_layer_norm`` to ``encoder.block``); else ``None``."""
+        stacks = self.stacks
+        if len(stacks) < 2:
+            return None
+        for stack in stacks:
+            parent = str(stack).rpartition(".")[0]
+            if parent and stage.module.startswith(parent + "."):
+                return stack
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         first = self.first_divergence
         return {
@@ -257,33 +365,76 @@ class Report:
             "divergences": [d.to_dict() for d in self.divergences],
             "first_nonfinite": self.first_nonfinite,
             "reference_nonfinite": self.reference_nonfinite,
-            "stages": [
-                {
-                    "stage": s.stage,
-                    "module": s.module,
-                    "local": None if s.local is None else s.local.to_dict(),
-                    "drift": None if s.drift is None else s.drift.to_dict(),
-                }
-                for s in self.stages
-            ],
-            "blocks": [
-                {
-                    "index": b.index,
-                    "module": b.module,
-                    "stack": b.stack,
-                    "subpaths": {
-                        name: (b.subpaths[name].to_dict() if name in b.subpaths else {"status": "absent", "diverged": False})
-                        for name in SUBPATHS
-                    },
-                    "block": None if b.block is None else b.block.to_dict(),
-                    "drift": None if b.drift is None else b.drift.to_dict(),
-                    "unmapped": b.unmapped,
-                }
-                for b in self.blocks
-            ],
+            "stages": [s.to_dict() for s in self.stages],
+            "blocks": [b.to_dict() for b in self.blocks],
             "moe": self.moe,
             "notes": self.notes,
         }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Report:
+        """The report of a ``blockdiff.report/1`` dict (:meth:`to_dict`, or a loaded
+        ``--json`` file), with its checks, thresholds and metrics as objects again.
+
+        The divergences are derived from the checks, as for a live report. The JSON form
+        keeps execution order only in its lists: stages and blocks are ordered as their
+        block lists run (a stage beside the blocks of the list whose parent module holds
+        it, embed and context before the blocks), and a block's sub-paths as the stored
+        ``divergences`` list them.
+
+        Raises:
+            BlockdiffError: ``data`` is not a ``blockdiff.report/1`` report.
+
+        >>> Report.from_dict(report.to_dict()).to_dict() == report.to_dict()  # doctest: +SKIP
+        True
+        """
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+            raise BlockdiffError(f"expected a {SCHEMA} report, found {found!r}")
+        report = cls(
+            reference=data.get("reference", {}),
+            candidate=data.get("candidate", {}),
+            inputs=data.get("inputs", {}),
+            tolerance=data.get("tolerance", {}),
+            stages=[StageResult.from_dict(s) for s in data.get("stages", [])],
+            blocks=[BlockResult.from_dict(b) for b in data.get("blocks", [])],
+            moe=data.get("moe", []),
+            notes=data.get("notes", []),
+            first_nonfinite=data.get("first_nonfinite"),
+            reference_nonfinite=data.get("reference_nonfinite"),
+            created=data.get("created", ""),
+            version=data.get("blockdiff_version", ""),
+        )
+        report._restore_order(data.get("divergences") or [])
+        return report
+
+    def _restore_order(self, divergences: list[dict[str, Any]]) -> None:
+        """Orders for the stages, blocks and sub-paths of a report read from JSON (see
+        :meth:`from_dict`)."""
+        stacks = self.stacks if len(self.stacks) > 1 else []
+        owner = [self.stack_of(s) for s in self.stages]
+
+        def stages(stack: str | None, *, before: bool) -> list[StageResult]:
+            return [s for s, o in zip(self.stages, owner) if o == stack and (s.stage in BEFORE_BLOCKS) == before]
+
+        sequence: list[StageResult | BlockResult] = stages(None, before=True)
+        for stack in stacks:
+            sequence += stages(stack, before=True)
+            sequence += [b for b in self.blocks if b.stack == stack]
+            sequence += stages(stack, before=False)
+        if not stacks:
+            sequence += self.blocks
+        sequence += stages(None, before=False)
+        listed = {(d.get("block"), d.get("subpath")): i for i, d in enumerate(divergences) if d.get("stage") == "block"}
+        for position, item in enumerate(sequence):
+            item.order = position
+            if isinstance(item, BlockResult):
+                names = sorted(
+                    item.subpaths,
+                    key=lambda name: (listed.get((item.index, item.blamed(name)), len(listed)), SUBPATHS.index(name)),
+                )
+                for rank, name in enumerate(names, start=1):
+                    item.subpaths[name].order = position + rank / (len(names) + 1)
 
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")

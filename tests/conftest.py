@@ -21,9 +21,44 @@ def _at_repository_root(monkeypatch):
     monkeypatch.chdir(ROOT)
 
 
+def sample_ids() -> torch.Tensor:
+    """The token ids the tests diff the sample on: 2 x 16 within its vocabulary, seed 0."""
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
 @pytest.fixture
 def ids() -> torch.Tensor:
-    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    return sample_ids()
+
+
+# Reports that several test modules only read, diffed once per session.
+
+
+@pytest.fixture(scope="session")
+def gelu_report():
+    """GELU planted for SiLU in block 2's FFN, float32: one divergence, drift from block 2 on."""
+    from blockdiff import diff
+    from samples import bugs, tinylm
+
+    return diff(tinylm.build(), bugs.gelu_for_silu(block=2), sample_ids())
+
+
+@pytest.fixture(scope="session")
+def moe_report():
+    """The MoE sample with block 1's router weights not renormalized, in bfloat16."""
+    from blockdiff import diff
+    from samples import bugs, tinylm
+
+    return diff(tinylm.build_moe(), bugs.moe_not_renormalized().to(torch.bfloat16), sample_ids())
+
+
+@pytest.fixture(scope="session")
+def clean_report():
+    """The sample against itself in bfloat16: precision only, no divergence."""
+    from blockdiff import diff
+    from samples import tinylm
+
+    return diff(tinylm.build(), tinylm.build().to(torch.bfloat16), sample_ids())
 
 
 def blamed(report) -> tuple | None:

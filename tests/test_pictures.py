@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import re
@@ -15,6 +14,7 @@ import torch
 
 from blockdiff import BlockdiffError, diff, plot
 from blockdiff import html as report_html
+from blockdiff.view import View
 from samples import bugs, tinylm
 
 # The PNG needs the `plot` extra; the HTML and the missing-matplotlib error do not.
@@ -29,25 +29,19 @@ MOE_PANELS = [*DENSE_PANELS, "expert load"]
 
 
 @pytest.fixture(scope="module")
-def ids() -> torch.Tensor:
-    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(scope="module")
-def dense(ids) -> dict:
+def dense(gelu_report) -> dict:
     """GELU planted for SiLU in block 2's FFN, read back from a JSON file as `report` would."""
-    data = diff(tinylm.build(), bugs.gelu_for_silu(block=2), ids).to_dict()
-    return json.loads(json.dumps(data))
+    return json.loads(json.dumps(gelu_report.to_dict()))
 
 
 @pytest.fixture(scope="module")
-def moe(ids) -> dict:
-    return diff(tinylm.build_moe(), bugs.moe_not_renormalized().to(torch.bfloat16), ids).to_dict()
+def moe(moe_report) -> dict:
+    return moe_report.to_dict()
 
 
 @pytest.fixture(scope="module")
-def clean(ids) -> dict:
-    return diff(tinylm.build(), tinylm.build().to(torch.bfloat16), ids).to_dict()
+def clean(clean_report) -> dict:
+    return clean_report.to_dict()
 
 
 def panels(fig) -> list[str]:
@@ -129,7 +123,7 @@ def test_encoder_decoder_stages_stand_beside_their_own_blocks():
     ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
     report = diff(hf_families.build(family="t5"), hf_families.cross_attention_bug(block=3), hf_families.inputs("t5", ids))
     data = report.to_dict()
-    cols = plot.columns(data)
+    cols = View.of(data).columns
     assert [c.label for c in cols] == ["embed", "0", "1", "final_norm", "embed", "2", "3", "final_norm", "head"]
     assert [c.module for c in cols][3:5] == ["encoder.final_layer_norm", "decoder.embed_tokens"]
     fig = plot.figure(data)
@@ -273,10 +267,12 @@ def test_html_of_a_clean_report(clean):
 
 
 def test_html_escapes_user_text(dense):
-    hostile = copy.deepcopy(dense)
+    # The divergent module renamed wherever the report names it (its checks, its
+    # divergences): the page states the divergence from the checks.
+    hostile = json.loads(json.dumps(dense).replace('"blocks.2.ffn"', '"blocks.2.<ffn>"'))
+    assert hostile["first_divergence"]["module"] == "blocks.2.<ffn>"
     hostile["reference"]["model"] = "</script><script>alert(1)</script>"
     hostile["notes"] = ["<b>bold</b> & </script>"]
-    hostile["first_divergence"]["module"] = "blocks.2.<ffn>"
     page = report_html.document(hostile, image=False)
     assert "<script>alert" not in page and "<b>" not in page
     parser = parse(page)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import re
 
 import pytest
@@ -10,26 +11,12 @@ import torch
 from rich.console import Console
 
 from blockdiff import diff
-from blockdiff.render import SPARKS, drift_sparkline, render, render_heatmap, sparkline
+from blockdiff.render import ADVICE, render, render_heatmap
+from blockdiff.view import SPARKS, View, sparkline
 from samples import bugs, tinylm
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 ROWS = ("attention", "ffn", "norm", "residual", "whole")
-
-
-@pytest.fixture(scope="module")
-def ids() -> torch.Tensor:
-    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(scope="module")
-def gelu(ids):
-    return diff(tinylm.build(), bugs.gelu_for_silu(block=2), ids)
-
-
-@pytest.fixture(scope="module")
-def clean(ids):
-    return diff(tinylm.build(), tinylm.build().to(torch.bfloat16), ids)
 
 
 def plain(width: int = 120) -> Console:
@@ -51,9 +38,9 @@ def grid(text: str) -> dict[str, list[str]]:
     return rows
 
 
-def test_heatmap_marks_the_blamed_block_and_subpath_with_symbols(gelu):
+def test_heatmap_marks_the_blamed_block_and_subpath_with_symbols(gelu_report):
     console = plain()
-    render_heatmap(gelu, console)
+    render_heatmap(gelu_report, console)
     text = output(console)
     assert not ANSI.search(text)
     rows = grid(text)
@@ -66,41 +53,41 @@ def test_heatmap_marks_the_blamed_block_and_subpath_with_symbols(gelu):
     assert "X diverged" in text  # the legend says what the symbols mean
 
 
-def test_render_prints_heatmap_and_sparkline_after_the_first_divergence_and_keeps_the_table(gelu):
+def test_render_prints_heatmap_and_sparkline_after_the_first_divergence_and_keeps_the_table(gelu_report):
     console = plain()
-    render(gelu, console)
+    render(gelu_report, console)
     lines = output(console).splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("First divergence"))
     assert lines[first + 1].startswith("local error / threshold:")
     drift = next(i for i, line in enumerate(lines) if line.startswith("  drift"))
     table = next(i for i, line in enumerate(lines) if "1.62e-01!" in line or "e-01!" in line)
     assert first < drift < table
-    assert drift_sparkline(gelu) in lines[drift].replace(" ", "")
+    assert View.of(gelu_report).drift_sparkline in lines[drift].replace(" ", "")
 
 
-def test_forced_colour_adds_ansi_codes_and_nothing_else(gelu):
+def test_forced_colour_adds_ansi_codes_and_nothing_else(gelu_report):
     coloured = Console(force_terminal=True, color_system="truecolor", width=120, file=io.StringIO())
-    render_heatmap(gelu, coloured)
+    render_heatmap(gelu_report, coloured)
     text = output(coloured)
     assert re.search(r"\x1b\[[0-9;]*3[18][;m]", text)  # red X (and other foreground colours)
     console = plain()
-    render_heatmap(gelu, console)
+    render_heatmap(gelu_report, console)
     assert ANSI.sub("", text) == output(console)
 
 
-def test_no_color_environment_keeps_symbols_without_colour_codes(gelu, monkeypatch):
+def test_no_color_environment_keeps_symbols_without_colour_codes(gelu_report, monkeypatch):
     monkeypatch.setenv("NO_COLOR", "1")
     console = Console(force_terminal=True, width=120, file=io.StringIO())
     assert console.no_color
-    render_heatmap(gelu, console)
+    render_heatmap(gelu_report, console)
     text = output(console)
     assert not re.search(r"\x1b\[[0-9;]*(3[0-9]|9[0-7])[;m]", text)  # no foreground colour
     assert grid(ANSI.sub("", text))["ffn"] == ["·", "·", "X", "·"]
 
 
-def test_clean_report_shows_no_x(clean):
+def test_clean_report_shows_no_x(clean_report):
     console = plain()
-    render(clean, console)
+    render(clean_report, console)
     rows = grid(output(console))
     assert all(cell in ("·", "o") for name in ROWS for cell in rows[name])
     assert "X" not in "".join(line for line in output(console).splitlines() if line.startswith("  stages"))
@@ -118,12 +105,31 @@ def test_fast_path_and_head_bug_show_dashes_and_an_x_outside_blocks(ids):
     assert "head X" in stages and "final_norm ·" in stages
 
 
-def test_sparkline_is_one_bar_per_block_on_a_log_scale(gelu, ids):
+def test_advice_closes_a_divergent_report_unless_left_out(gelu_report, clean_report):
+    default, none, own = plain(200), plain(200), plain(200)
+    render(gelu_report, default)
+    render(gelu_report, none, advice=None)
+    render(gelu_report, own, advice="next: bisect the commits")
+    assert output(default).rstrip().splitlines()[-1] == ADVICE
+    assert "next:" not in output(none) and output(default) == output(none) + ADVICE + "\n"
+    assert output(own) == output(none) + "next: bisect the commits\n"
+    nothing = plain(200)
+    render(clean_report, nothing)  # nothing diverged: nothing to advise
+    assert "next:" not in output(nothing)
+
+
+def test_a_saved_report_renders_as_the_live_one(gelu_report):
+    live, saved = plain(), plain()
+    render(gelu_report, live)
+    render(json.loads(json.dumps(gelu_report.to_dict())), saved)
+    assert output(saved) == output(live)
+
+
+def test_sparkline_is_one_bar_per_block_on_a_log_scale(gelu_report, moe_report):
     # Drift is exactly 0 before the bug (float32, same weights), then jumps to ~6e-2.
-    assert drift_sparkline(gelu) == SPARKS[0] * 2 + SPARKS[-1] * 2
-    moe = diff(tinylm.build_moe(), bugs.moe_not_renormalized().to(torch.bfloat16), ids)
-    line = drift_sparkline(moe)
-    assert len(line) == len(moe.blocks) and SPARKS.index(line[0]) < SPARKS.index(line[1]) == len(SPARKS) - 1
+    assert View.of(gelu_report).drift_sparkline == SPARKS[0] * 2 + SPARKS[-1] * 2
+    line = View.of(moe_report).drift_sparkline
+    assert len(line) == len(moe_report.blocks) and SPARKS.index(line[0]) < SPARKS.index(line[1]) == len(SPARKS) - 1
     assert sparkline([1e-4, 1e-3, 1e-2, 1e-1, 1.0]) == "▁▃▅▆█"  # four decades over bars 0, 1.75, 3.5, 5.25, 7
     assert sparkline([0.006, 0.007, 0.008]) == "███"  # flat: no decade of spread to show
     assert sparkline([None, float("inf"), 0.0]) == "-!▁"

@@ -1,0 +1,394 @@
+"""View: a report as the renderers show it, read once for the terminal, the PNG and the HTML.
+
+The step between :mod:`.report` and the three renderers at the end of the pipeline
+(:mod:`.render` for the terminal, :mod:`.plot` for the PNG, :mod:`.html` for the page).
+:meth:`View.of` reads a :class:`~.report.Report` (a ``blockdiff.report/1`` dict goes
+through :meth:`Report.from_dict <.report.Report.from_dict>` first) into:
+
+- :class:`Column`: one per site in execution order (embed and context, the blocks, final
+  norm and head; an encoder-decoder's stages beside their own block list), each with one
+  :class:`Cell` per row of :data:`ROWS` (the four sub-paths and the whole block or stage)
+  and its drift;
+- the divergences, stated by :meth:`Divergence.headline <.report.Divergence.headline>`;
+- :class:`MoeRow`: the routing table of an MoE report, its numbers formatted once.
+
+What a cell says, its heatmap level and symbol (:func:`level`, :data:`SYMBOLS`), the
+drift sparkline, the colour of a ratio (:func:`ratio_colour`, for the PNG and the HTML)
+and how a drop rate reads are decided here; the renderers only lay them out. Needs
+neither rich nor matplotlib.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .compare import from_json_number
+from .report import Check, Divergence, Report, SubpathResult
+from .vocab import SUBPATHS
+
+__all__ = [
+    "LEGEND",
+    "MOE_COLUMNS",
+    "ROWS",
+    "SPARKS",
+    "SYMBOLS",
+    "WHOLE",
+    "Cell",
+    "Column",
+    "MoeRow",
+    "View",
+    "drop_rate",
+    "fmt",
+    "level",
+    "ratio_colour",
+    "sparkline",
+]
+
+# The row of the whole-block check (or, for a stage, its own check), after the sub-paths.
+WHOLE = "whole"
+ROWS = (*SUBPATHS, WHOLE)
+
+# One symbol per heatmap cell, so the heatmap reads the same without colour.
+SYMBOLS = {"low": "·", "near": "o", "diverged": "X", "none": "-"}
+LEGEND = "· below 0.5   o 0.5 to 1   X diverged   - not needed or absent"
+SPARKS = "▁▂▃▄▅▆▇█"
+
+# Colour scale of the ratio to threshold: fixed, so pictures of different runs compare.
+# Green below the threshold, paling towards it; orange to dark red above it. The threshold
+# (ratio 1) sits at the centre of the log scale. Shared by the PNG and the HTML tables.
+RATIO_RANGE = (1e-3, 1e3)
+RATIO_COLOURS = ((0.0, "#1a9850"), (0.45, "#c7e9a0"), (0.5, "#fee08b"), (0.56, "#fdae61"), (1.0, "#a50026"))
+
+MOE_COLUMNS = ("block", "side", "entropy", "max load", "min load", "drops", "top-k agree", "flips", "tokens per expert")
+
+
+def level(ratio: float | None, diverged: bool, status: str = "checked") -> str:
+    """The heatmap class of one check: ``low``, ``near``, ``diverged`` or ``none``.
+
+    ``none`` is a check that did not run (``not_needed`` on the fast path, ``absent``
+    sub-path, or no check at all). NaN ratios diverge.
+
+    >>> level(0.3, False), level(0.7, False), level(12.0, True), level(None, False, "absent")
+    ('low', 'near', 'diverged', 'none')
+    """
+    if diverged:
+        return "diverged"
+    if status != "checked" or ratio is None:
+        return "none"
+    return "near" if ratio >= 0.5 else "low"
+
+
+def fmt(value: float | None, spec: str = ".2e") -> str:
+    """A number as the tables show it: ``spec``, ``inf``/``nan`` as words, ``""`` for none.
+
+    >>> fmt(0.0619), fmt(float("inf")), fmt(None), fmt(3.14159, ".3g")
+    ('6.19e-02', 'inf', '', '3.14')
+    """
+    if value is None:
+        return ""
+    if not math.isfinite(value):
+        return str(value)
+    return format(value, spec)
+
+
+def sparkline(values: Sequence[float | None], *, decades: float = 2.0) -> str:
+    """One bar per value on a log scale that ends at the largest value.
+
+    The scale reaches down to the smallest positive value but spans at least ``decades``,
+    so a jump stands out while a flat series draws flat (high, as it ends at the
+    largest). Zero draws as the lowest bar, a non-finite value as ``!``, a missing one as
+    ``-``.
+
+    >>> sparkline([0.0, 1e-3, 1e-2, 1e-1, None, float("nan")])
+    '▁▁▅█-!'
+    >>> sparkline([0.0, 0.0619, 0.0654, 0.0663])
+    '▁███'
+    """
+    positive = [v for v in values if v is not None and math.isfinite(v) and v > 0]
+    if positive:
+        top = math.log10(max(positive))
+        span = max(top - math.log10(min(positive)), decades)
+    out = []
+    for v in values:
+        if v is None:
+            out.append("-")
+        elif not math.isfinite(v):
+            out.append("!")
+        elif v <= 0:
+            out.append(SPARKS[0])
+        else:
+            step = (1 - (top - math.log10(v)) / span) * (len(SPARKS) - 1)
+            out.append(SPARKS[min(len(SPARKS) - 1, max(0, round(step)))])
+    return "".join(out)
+
+
+def ratio_colour(ratio: float) -> str:
+    """The heatmap colour of a ratio to threshold, as ``#rrggbb`` (no matplotlib needed).
+
+    >>> ratio_colour(0.0), ratio_colour(1.0), ratio_colour(float("inf"))
+    ('#1a9850', '#fee08b', '#a50026')
+    """
+    lo, hi = RATIO_RANGE
+    if math.isnan(ratio):
+        ratio = hi
+    ratio = min(max(ratio, lo), hi)
+    t = (math.log10(ratio) - math.log10(lo)) / (math.log10(hi) - math.log10(lo))
+    for (t0, c0), (t1, c1) in itertools.pairwise(RATIO_COLOURS):
+        if t <= t1:
+            f = 0.0 if t1 == t0 else (t - t0) / (t1 - t0)
+            rgb = [round(int(c0[k : k + 2], 16) * (1 - f) + int(c1[k : k + 2], 16) * f) for k in (1, 3, 5)]
+            return "#" + "".join(f"{v:02x}" for v in rgb)
+    return RATIO_COLOURS[-1][1]
+
+
+@dataclass
+class Cell:
+    """One heatmap cell: a sub-path's worst check, a whole-block check or a stage's check."""
+
+    status: str  # "checked", "not_needed", "absent", "drift_only"
+    ratio: float | None = None  # value / threshold; None when nothing ran
+    value: float | None = None
+    threshold: float | None = None
+    diverged: bool = False
+    module: str = ""
+    what: str = ""
+    metric: str = "rel_l2"
+    nonfinite: tuple[int, int] = (0, 0)  # (reference, candidate)
+
+    @classmethod
+    def of(cls, check: Check | None, status: str = "checked") -> Cell:
+        """The cell of ``check``; ``status`` is its sub-path's (a stage's or a whole block's
+        check is ``checked``). No check: ``absent``, or the sub-path's reason for none."""
+        if check is None:
+            return cls(status="absent" if status == "checked" else status)
+        return cls(
+            status=status,
+            ratio=check.ratio,
+            value=check.measured,
+            threshold=check.threshold.value,
+            diverged=check.diverged,
+            module=check.module,
+            what=check.what,
+            metric=check.metric,
+            nonfinite=check.nonfinite,
+        )
+
+    @classmethod
+    def of_subpath(cls, result: SubpathResult | None) -> Cell:
+        """The cell of a sub-path: its worst check; ``absent`` when the block has none."""
+        if result is None:
+            return cls(status="absent")
+        return cls.of(result.worst, result.status)
+
+    @property
+    def level(self) -> str:
+        """Its heatmap class (:func:`level`)."""
+        return level(self.ratio, self.diverged, self.status)
+
+    @property
+    def text(self) -> str:
+        """What the tables print: the local error, or the count of non-finite values when
+        the candidate has NaN/Inf that the reference has not."""
+        nonfinite_ref, nonfinite_cand = self.nonfinite
+        if nonfinite_cand != nonfinite_ref:
+            return f"{nonfinite_cand} non-finite"
+        return fmt(self.value)
+
+
+@dataclass
+class Column:
+    """One site of the report, in execution order: embed and context, the blocks, then
+    final norm and head."""
+
+    label: str  # "embed", "0", "1", ..., "head"
+    stage: str
+    module: str = ""
+    block: int | None = None
+    stack: str | None = None  # a stage's only when there are several block lists
+    cells: dict[str, Cell] = field(default_factory=dict)  # keys from ROWS
+    drift: float | None = None
+    threshold: float | None = None  # of the whole-block / stage check
+    unmapped: list[str] = field(default_factory=list)  # a block's modules in no sub-path
+
+    @property
+    def name(self) -> str:
+        """The site in words: ``block 2``, ``final_norm``."""
+        return f"block {self.block}" if self.stage == "block" else self.stage
+
+
+def drop_rate(stats: dict[str, Any]) -> str:
+    """The share of routing assignments dropped: at the model's capacity, else
+    counterfactual at the first capacity factor (``12.5% @cf1.0``), else ``—``."""
+    if stats.get("capacity") is not None:
+        return f"{from_json_number(stats['assignment_drop_rate']):.1%}"
+    counterfactual = stats.get("counterfactual") or {}
+    if not counterfactual:
+        return "—"
+    cf, entry = next(iter(counterfactual.items()))
+    return f"{from_json_number(entry['assignment_drop_rate']):.1%} @cf{cf}"
+
+
+@dataclass
+class MoeRow:
+    """One side of one MoE block in the routing table; the cells of :data:`MOE_COLUMNS`
+    but the last are text, the block's own (agreement, flips) on the reference's row."""
+
+    block: int
+    side: str  # "ref" or "cand"
+    entropy: str  # normalized by ln E
+    max_load: str
+    min_load: str
+    drops: str
+    agreement: str  # top-k agreement of the free-running sides; "" on the candidate's row
+    flips: str  # routing flips on the reference's input; "" on the candidate's row
+    counts: list[int]  # tokens per expert, before capacity
+    topk_agreement: float | None = None  # the agreement as a number, on both rows
+
+    @property
+    def cells(self) -> list[str]:
+        """The text cells, in :data:`MOE_COLUMNS` order without the counts."""
+        first = self.side == "ref"
+        return [
+            str(self.block) if first else "",
+            self.side,
+            self.entropy,
+            self.max_load,
+            self.min_load,
+            self.drops,
+            self.agreement,
+            self.flips,
+        ]
+
+    @classmethod
+    def rows(cls, entry: dict[str, Any]) -> list[MoeRow]:
+        """The reference's and the candidate's rows of one entry of ``Report.moe``."""
+        agreement = entry.get("agreement") or {}
+        topk = from_json_number(agreement.get("topk_agreement"))
+        local = entry.get("local_flips") or {}
+        flips = f"{local.get('flipped', 0)} ({local.get('unexplained', 0)} unexplained)" if local else "—"
+        out = []
+        for side, short in (("reference", "ref"), ("candidate", "cand")):
+            stats = entry[side]
+            first = side == "reference"
+            out.append(
+                cls(
+                    block=entry["block"],
+                    side=short,
+                    entropy=f"{from_json_number(stats['routing_entropy_norm']):.3f}",
+                    max_load=f"{from_json_number(stats['max_load']):.1%}",
+                    min_load=f"{from_json_number(stats['min_load']):.1%}",
+                    drops=drop_rate(stats),
+                    agreement=f"{topk:.1%}" if first and topk is not None else "",
+                    flips=flips if first else "",
+                    counts=list(stats["counts"]),
+                    topk_agreement=topk,
+                )
+            )
+        return out
+
+
+@dataclass
+class View:
+    """A report read for the renderers (see the module docstring)."""
+
+    report: Report
+    columns: list[Column]
+    divergences: list[Divergence]
+    moe: list[MoeRow]
+
+    @classmethod
+    def of(cls, report: Report | dict[str, Any] | View) -> View:
+        """The view of ``report``: a :class:`Report`, or its ``blockdiff.report/1`` dict.
+
+        Raises:
+            BlockdiffError: ``report`` is neither a report nor a report's dict.
+        """
+        if isinstance(report, View):
+            return report
+        if not isinstance(report, Report):
+            report = Report.from_dict(report)
+        return cls(
+            report=report,
+            columns=_columns(report),
+            divergences=report.divergences,
+            moe=[row for entry in report.moe for row in MoeRow.rows(entry)],
+        )
+
+    @property
+    def first(self) -> Divergence | None:
+        """The first divergence, or ``None``."""
+        return self.divergences[0] if self.divergences else None
+
+    @property
+    def blocks(self) -> list[Column]:
+        return [c for c in self.columns if c.stage == "block"]
+
+    @property
+    def stages(self) -> list[Column]:
+        return [c for c in self.columns if c.stage != "block"]
+
+    @property
+    def multi_stack(self) -> bool:
+        """Whether the blocks come in several lists (an encoder-decoder's)."""
+        return len(self.report.stacks) > 1
+
+    @property
+    def drift_sparkline(self) -> str:
+        """The drift of every block as one character per block (:func:`sparkline`)."""
+        return sparkline([c.drift for c in self.blocks])
+
+    @property
+    def drift_scale(self) -> str:
+        """The range the sparkline spans, ``rel L2 0 … 0.066, log scale``; ``""`` when no
+        block has a finite drift."""
+        values = [c.drift for c in self.blocks if c.drift is not None and math.isfinite(c.drift)]
+        return f"rel L2 {min(values):.2g} … {max(values):.2g}, log scale" if values else ""
+
+    def column_of(self, divergence: Divergence) -> int | None:
+        """The position in :attr:`columns` of the site ``divergence`` is at."""
+        if divergence.stage == "block":
+            found = [i for i, c in enumerate(self.columns) if c.stage == "block" and c.block == divergence.block]
+        else:
+            same = [i for i, c in enumerate(self.columns) if c.stage == divergence.stage]
+            # Encoder-decoder reports have two embeds and two final norms: the module tells.
+            found = [i for i in same if self.columns[i].module == divergence.module] or same
+        return found[0] if found else None
+
+
+def _columns(report: Report) -> list[Column]:
+    """Every site of ``report`` as a column, in execution order (an encoder's final norm
+    before the decoder's blocks)."""
+    columns: list[tuple[float, int, Column]] = []
+    for stage in report.stages:
+        cells = {name: Cell(status="absent") for name in SUBPATHS}
+        cells[WHOLE] = Cell.of(stage.local)
+        column = Column(
+            label=stage.stage,
+            stage=stage.stage,
+            module=stage.module,
+            stack=report.stack_of(stage),
+            cells=cells,
+            drift=None if stage.drift is None else stage.drift.rel_l2,
+            threshold=cells[WHOLE].threshold,
+        )
+        columns.append((stage.order, 0, column))
+    for block in report.blocks:
+        cells = {name: Cell.of_subpath(block.subpaths.get(name)) for name in SUBPATHS}
+        cells[WHOLE] = Cell.of(block.block)
+        column = Column(
+            label=str(block.index),
+            stage="block",
+            module=block.module,
+            block=block.index,
+            stack=block.stack,
+            cells=cells,
+            drift=None if block.drift is None else block.drift.rel_l2,
+            threshold=cells[WHOLE].threshold,
+            unmapped=list(block.unmapped),
+        )
+        columns.append((block.order, 1, column))
+    return [c for _, _, c in sorted(columns, key=lambda row: (row[0], row[1]))]
