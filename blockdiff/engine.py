@@ -436,9 +436,15 @@ def _localize(
 
 
 def _record_in_memory(side: Side, inputs: Inputs) -> MemoryStore:
-    store = MemoryStore(side.meta)
-    _run(side.name, side.record, inputs, store, hold="kept", progress=None)
-    return store
+    """``side``'s run recorded into memory (the free run of drift floors: nothing runs that
+    model copy again, so what the forward left unchanged stays so)."""
+
+    def attempt(copy: bool) -> MemoryStore:
+        store = MemoryStore(side.meta)
+        _run(side.name, side.record, inputs, store, hold=None if copy else "kept", progress=None)
+        return store
+
+    return with_copies(attempt)
 
 
 def _stream(side: LiveSide, inputs: Inputs, path: str | Path, *, compress: str | None = None) -> None:

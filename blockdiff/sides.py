@@ -256,17 +256,16 @@ class PrecisionSide(LiveSide):
         return self.cast
 
     def module(self, path: str) -> nn.Module:
-        return copy.deepcopy(self.model.get_submodule(path)).to(device=self._device, dtype=self.cast)
+        # Positional .to calls: some models' .to takes no keywords (HookedTransformer).
+        return copy.deepcopy(self.model.get_submodule(path)).to(self._device).to(self.cast)
 
     def record(
         self, inputs: Inputs, store: SiteStore, *, hold: str | None = None, progress: Callable[[int, int], None] | None = None
     ) -> Recording:
-        """The whole model's free run at this precision (a copy of the model; the drift
-        floors). The copy's tensors are its own: held by reference, never checked again."""
+        """The whole model's free run at this precision (a copy of the model: the drift
+        floors); ``hold`` as for :func:`~blockdiff.capture.record_once`."""
         self.store = store
-        model = self.module("") if self.model is not None else None
-        with torch.no_grad():
-            return record_once(model, self.layout, store, inputs, hold="kept", progress=progress)
+        return record_once(self.module(""), self.layout, store, inputs, hold=hold, progress=progress)  # type: ignore[arg-type]
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
         return PrecisionSide(self, dtype, device)
