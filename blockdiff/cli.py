@@ -121,7 +121,7 @@ def _apply(options: list) -> Callable:
     default=None,
     help="Tolerance policy [default: calibrated when dtypes or devices differ, else fixed].",
 )
-@click.option("--tol", "tols", multiple=True, metavar="SUBPATH=VALUE", help="Fixed rel-L2 threshold for one sub-path or stage; repeatable.")
+@click.option("--tol", "tols", multiple=True, metavar="SUBPATH=VALUE", help="Fixed rel-L2 threshold for one sub-path or stage (or drift, the free-running candidate); repeatable.")
 @click.option(
     "--capacity-factor",
     "capacity_factors",

@@ -41,6 +41,7 @@ from .report import Report
 from .sides import DumpSide, LiveSide, Side, describe
 from .store import MemoryStore, release_freed_memory
 from .tolerance import Tolerance
+from .vocab import DRIFT
 
 
 @contextmanager
@@ -426,6 +427,21 @@ def _localize(
         version=__version__,
     )
     _nonfinite_notes(report, localizer.nonfinite)
+    first = report.first_divergence
+    if first is not None and first.subpath == DRIFT:
+        basis = (
+            "calibrated against the reference's own free run at the candidate's precision"
+            if first.check.threshold.basis == "calibrated"
+            else f"{first.check.threshold.basis} threshold"
+        )
+        report.notes.append(
+            f"unexplained drift: the free-running candidate drifts past its tolerance ({basis}) at "
+            f"{first.where.removesuffix(' unexplained drift')} ({first.module}) while every local check "
+            "before it passes: the candidate runs something its modules "
+            "do not compute when called alone (a compiled graph, a fused kernel, code the hook map does "
+            "not see: `blockdiff arch MODEL`), or precision accumulates more than in the reference's own "
+            "code (compare precisions with --tolerance calibrated; accept it with --tol drift=VALUE)"
+        )
     if tolerance.calibrated and not localizer.calibrate:
         report.notes.append(
             "calibrated tolerance needs the live reference modules, which a dump does not hold: "

@@ -3,7 +3,9 @@
 Works block by block from two sides (DESIGN.md, "The localization procedure"; sides in
 :mod:`blockdiff.sides`): the stages outside blocks, then per block, in execution order,
 the block-level experiment, each sub-path module (an MoE ffn as router and experts,
-:func:`~blockdiff.moe.moe_checks`), the residual, the MoE routing statistics, and drift.
+:func:`~blockdiff.moe.moe_checks`), the residual, the MoE routing statistics, and drift
+(judged too: drift no local check explains is a divergence, see
+:meth:`~blockdiff.report.Report.unexplained_drift`).
 Pairing is :mod:`blockdiff.pairing`'s, the experiments :mod:`blockdiff.experiments`'.
 
 With a candidate that cannot run (a dump), every site is judged on its drift alone: the
@@ -70,8 +72,11 @@ class Localizer:
         """Local errors and drift of the sites outside blocks (embed, context, final norm, head)."""
         for r, c in pair_outside(self.ref.store, self.cand.store):
             self.nonfinite.see(r, c)
-            check = self.experiments.module_check(r.stage, r, c) if self.cand.live else self._drift_check(r.stage, r, c)
-            yield StageResult(r.stage, c.module, check, self.experiments.drift(r, c), order=r.order)
+            if self.cand.live:
+                check, judged = self.experiments.module_check(r.stage, r, c), self.experiments.drift_check(r, c)
+            else:  # the drift check is the stage's only check
+                check, judged = self._drift_check(r.stage, r, c), None
+            yield StageResult(r.stage, c.module, check, self.experiments.drift(r, c), order=r.order, drift_check=judged)
 
     def blocks(self) -> Iterator[BlockResult]:
         """One :class:`BlockResult` per block, in order; reads one block's sites at a time."""
@@ -122,6 +127,7 @@ class Localizer:
             drift=exp.drift(pair.ref_block, pair.cand_block),
             order=pair.ref_block.order,
             unmapped=list(layout.unmapped) if layout else [],
+            drift_check=exp.drift_check(pair.ref_block, pair.cand_block),
         )
 
     @staticmethod

@@ -18,10 +18,14 @@ from typing import Any
 from .compare import Metrics, from_json_number, json_number
 from .errors import BlockdiffError
 from .tolerance import Threshold
-from .vocab import BEFORE_BLOCKS, PART_OF, SUBPATHS, UNATTRIBUTED
+from .vocab import DRIFT, BEFORE_BLOCKS, PART_OF, SUBPATHS, UNATTRIBUTED
 
 SCHEMA = "blockdiff.report/1"
 
+
+
+# A site's drift is measured at its output: just after its local checks in execution order.
+DRIFT_AFTER = 1e-3
 
 @dataclass
 class Check:
@@ -163,6 +167,12 @@ class StageResult:
     local: Check | None
     drift: Metrics | None
     order: float = 0
+    drift_check: Check | None = None  # drift judged against its tolerance (live candidates)
+
+    @property
+    def drift_order(self) -> float:
+        """Where its drift is measured: its output, just after its local check."""
+        return self.order + DRIFT_AFTER
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -170,6 +180,7 @@ class StageResult:
             "module": self.module,
             "local": _optional(self.local, Check.to_dict),
             "drift": _optional(self.drift, Metrics.to_dict),
+            "drift_check": _optional(self.drift_check, Check.to_dict),
         }
 
     @classmethod
@@ -179,6 +190,7 @@ class StageResult:
             data["module"],
             _optional(data.get("local"), Check.from_dict),
             _optional(data.get("drift"), Metrics.from_dict),
+            drift_check=_optional(data.get("drift_check"), Check.from_dict),
         )
 
 
@@ -192,6 +204,12 @@ class BlockResult:
     drift: Metrics | None
     order: float = 0
     unmapped: list[str] = field(default_factory=list)
+    drift_check: Check | None = None  # the block output's drift judged (live candidates)
+
+    @property
+    def drift_order(self) -> float:
+        """Where its drift is measured: the block's output, after every sub-path's check."""
+        return max([self.order, *(r.order for r in self.subpaths.values())]) + DRIFT_AFTER
 
     def blamed(self, subpath: str) -> str:
         """The sub-path a divergence of ``subpath`` is reported on: ``residual`` is
@@ -209,6 +227,7 @@ class BlockResult:
             },
             "block": _optional(self.block, Check.to_dict),
             "drift": _optional(self.drift, Metrics.to_dict),
+            "drift_check": _optional(self.drift_check, Check.to_dict),
             "unmapped": self.unmapped,
         }
 
@@ -227,6 +246,7 @@ class BlockResult:
             block=_optional(data.get("block"), Check.from_dict),
             drift=_optional(data.get("drift"), Metrics.from_dict),
             unmapped=list(data.get("unmapped", [])),
+            drift_check=_optional(data.get("drift_check"), Check.from_dict),
         )
 
 
@@ -259,8 +279,11 @@ class Divergence:
 
     @property
     def where(self) -> str:
-        """Where it is, in words: ``block 1 ffn``, ``head``."""
-        return f"block {self.block} {self.subpath}" if self.stage == "block" else self.stage
+        """Where it is, in words: ``block 1 ffn``, ``head``, ``block 2 unexplained drift``."""
+        place = f"block {self.block}" if self.stage == "block" else self.stage
+        if self.subpath == DRIFT:
+            return f"{place} unexplained drift"
+        return f"{place} {self.subpath}" if self.stage == "block" else place
 
     def headline(self) -> str:
         """The divergence in one line, as every renderer states it.
@@ -323,7 +346,44 @@ class Report:
                 found.append(
                     (block.order, Divergence("block", block.index, UNATTRIBUTED, block.module, block.block, block.stack))
                 )
-        return [d for _, d in sorted(found, key=lambda pair: pair[0])]
+        found.sort(key=lambda pair: pair[0])
+        # A local error the user tolerated (--tol) explains the drift it causes, too.
+        explained = [position for position, _ in found] + self._tolerated_positions()
+        drift = self.unexplained_drift(before=min(explained, default=None))
+        if drift is not None:
+            found.insert(0, drift)
+        return [d for _, d in found]
+
+    def _tolerated_positions(self) -> list[float]:
+        """Where local checks the user tolerated with an override (``tolerated``) are."""
+        found = [s.order for s in self.stages if s.local is not None and s.local.tolerated]
+        for block in self.blocks:
+            found += [r.order for r in block.subpaths.values() if any(c.tolerated for c in r.checks)]
+            if block.block is not None and block.block.tolerated:
+                found.append(block.order)
+        return found
+
+    def unexplained_drift(self, *, before: float | None) -> tuple[float, Divergence] | None:
+        """The first site whose drift exceeds its tolerance with no local divergence at or
+        before it (``before``: where the first local divergence is), as a divergence.
+
+        Drift that no local check explains is never a pass: the candidate's free run
+        computes something its modules do not compute when run alone (a compiled graph, a
+        fused kernel, code the hook map does not see), or precision accumulates past
+        what the reference's own code at that precision does.
+        """
+        items: list[tuple[float, StageResult | BlockResult]] = [(s.drift_order, s) for s in self.stages]
+        items += [(b.drift_order, b) for b in self.blocks]
+        for position, item in sorted(items, key=lambda pair: pair[0]):
+            if before is not None and position >= before:
+                return None
+            check = item.drift_check
+            if check is None or not check.diverged:
+                continue
+            if isinstance(item, BlockResult):
+                return position, Divergence("block", item.index, DRIFT, item.module, check, item.stack)
+            return position, Divergence(item.stage, None, DRIFT, item.module, check)
+        return None
 
     @property
     def first_divergence(self) -> Divergence | None:

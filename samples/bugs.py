@@ -127,6 +127,49 @@ def nan_in_ffn(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
     return model
 
 
+class ScaledBetweenBlocks(tinylm.TinyLM):
+    """The model's own loop scales the hidden state after one block: code between blocks,
+    which no hook map sub-path owns."""
+
+    scaled_after = DEFAULT_BLOCK
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+        cos, sin = self.rotary(x, positions)
+        for index, block in enumerate(self.blocks):
+            x = block(x, cos, sin)
+            if index == self.scaled_after:
+                x = x * 1.5
+        return self.lm_head(self.norm(x))
+
+
+def scaled_between_blocks(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
+    """Every block and module is right when run alone; the drift from block ``block + 1``
+    on is unexplained by any local check."""
+    model = tinylm.build()
+    model.__class__ = ScaledBetweenBlocks
+    model.scaled_after = block
+    return model
+
+
+class CompiledOnly(tinylm.SwiGLU):
+    """Computes something else only inside a compiled graph: a stand-in for a compiler bug
+    (the eager module, run alone, is right)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out * 1.5 if torch.compiler.is_compiling() else out
+
+
+def miscompiled(*, block: int = DEFAULT_BLOCK, backend: str = "aot_eager", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The whole model under ``torch.compile`` (in ``dtype``), its block's FFN wrong only in
+    the compiled graph. Where an experiment calls the eager module, no local check sees it:
+    the drift does, and is reported as unexplained."""
+    model = _plant(block, "ffn", CompiledOnly).to(dtype)
+    return torch.compile(model, backend=backend)
+
+
 class NotRenormalized(tinylm.Router):
     """Top-k weights left as softmax probabilities where the model renormalizes them."""
 
