@@ -8,7 +8,7 @@ Routers differ in what they return; the hook map names the format:
   probs [.., 1], logits [.., E])``; top-1, the kept assignments are the dispatch's.
 
 Routing-aware localization judges a router on three things, none of which a routing flip
-caused by precision can trip (DESIGN.md, "MoE"): its logits; its weights on the tokens
+caused by precision can trip (docs/design.md, "MoE"): its logits; its weights on the tokens
 whose top-k sets agree with the reference; and its flips, each explained only when the
 reference's margin ``z_(k) − z_(k+1)`` is within the logit noise that precision causes.
 The experts are judged with routing frozen at the reference's.

@@ -6,6 +6,10 @@ threshold) with the drift sparkline under it, then the table of local errors (bl
 sub-paths, coloured by ratio to threshold) with drift per block, then what to do next
 (``advice``).
 
+Tables never cut a number: a console too narrow for a table (80 columns) gets it with
+narrower gaps, and a narrower one (60) gets its columns stacked in several tables, each
+repeating the row names (:func:`_fitted`).
+
 It lays out the report's :class:`~.view.View`, which the PNG (:mod:`.plot`) and the HTML
 (:mod:`.html`) read too: what each cell says and its symbol come from there.
 
@@ -16,6 +20,8 @@ table cells carry a ``!`` when they diverge, so red and green need not be told a
 
 from __future__ import annotations
 
+import io
+from collections.abc import Sequence
 from typing import Any
 
 from rich import box
@@ -109,32 +115,73 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
             highlight=False,
         )
 
-    table = Table(
-        title="local error (rel L2) per sub-path, whole block or stage; drift of the free-running candidate",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-    )
-    table.add_column("site", no_wrap=True)
-    for name in ROWS:
-        table.add_column(name, justify="right", no_wrap=True)
-    table.add_column("drift", justify="right", no_wrap=True)
-    blank = [Text("")] * len(SUBPATHS)
-    # Columns in execution order: an encoder's final norm comes before the decoder's blocks.
-    for column in view.columns:
-        if column.stage != "block":
-            table.add_row(column.name, *blank, _cell(column.cells[WHOLE]), _drift_cell(column.drift))
-            continue
-        name = column.name + (f" ({column.stack})" if view.multi_stack else "")
-        table.add_row(name, *(_cell(column.cells[row]) for row in ROWS), _drift_cell(column.drift))
-    console.print(table)
-    if view.moe:
-        console.print(_moe_table(view.moe))
+    for table in _error_tables(view, console.width):
+        console.print(table)
+    for table in _moe_tables(view.moe, console.width) if view.moe else []:
+        console.print(table)
     if len(view.divergences) > 1:
         console.print(f"{len(view.divergences)} divergent sites:", highlight=False)
         for d in view.divergences:
             console.print(f"  - {escape(d.headline())}", highlight=False)
     if first is not None and advice is not None:
         console.print(advice, style="dim", highlight=False)
+
+
+# Left-aligned columns of the tables; the rest hold numbers, right-aligned.
+_LEFT = ("site", "side", "tokens per expert")
+# Measures tables unbounded: a measurement within a console's width never exceeds it.
+_UNBOUNDED = Console(width=10_000, file=io.StringIO())
+
+
+def _table(
+    title: str | None, keys: Sequence[str], names: Sequence[str], rows: list[dict[str, Any]], *, compact: bool
+) -> Table:
+    """The columns ``keys`` and ``names`` of ``rows``, but the rows with nothing in ``names``;
+    ``compact`` leaves two spaces between columns, not three, and none at the sides."""
+    table = Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=not compact, collapse_padding=compact
+    )
+    for name in (*keys, *names):
+        table.add_column(name, no_wrap=True, justify="left" if name in _LEFT else "right")
+    for row in rows:
+        if any(str(row[name]) for name in names):
+            table.add_row(*(row[name] for name in (*keys, *names)))
+    return table
+
+
+def _fitted(
+    title: str, keys: Sequence[str], names: Sequence[str], rows: list[dict[str, Any]], width: int
+) -> list[Table]:
+    """``rows`` as one or more tables no wider than ``width``, so that no value is cut: as
+    wide as it reads best when it fits (the local errors in 120 columns), else with
+    narrower gaps (in 80), else the columns ``names`` stacked in as many narrow tables as
+    it takes (in 60, two), each repeating the columns ``keys``, the title on the first.
+    Below one column of ``names`` beside ``keys``, rich cuts what it must."""
+    tables = [_table(title, keys, names, rows, compact=False)]
+    for per in range(len(names), 0, -1):
+        if all(_UNBOUNDED.measure(table).maximum <= width for table in tables):
+            break
+        tables = [
+            _table(title if start == 0 else None, keys, names[start : start + per], rows, compact=True)
+            for start in range(0, len(names), per)
+        ]
+    return tables
+
+
+def _error_tables(view: View, width: int) -> list[Table]:
+    """The local errors (blocks and stages × sub-paths, whole block or stage) and drift."""
+    rows = []
+    # Columns in execution order: an encoder's final norm comes before the decoder's blocks.
+    for column in view.columns:
+        row = {name: _cell(column.cells[name]) for name in ROWS}
+        row.update(site=column.name, drift=_drift_cell(column.drift))
+        if column.stage != "block":
+            row.update((name, Text("")) for name in SUBPATHS)  # a stage has its own check only
+        elif view.multi_stack:
+            row["site"] += f" ({column.stack})"
+        rows.append(row)
+    title = "local error (rel L2) per sub-path, whole block or stage; drift of the free-running candidate"
+    return _fitted(title, ("site",), (*ROWS, "drift"), rows, width)
 
 
 def _ruler(indices: list[int], cell: int) -> str:
@@ -271,16 +318,11 @@ def _bar(counts: list[int]) -> str:
     return "".join(BARS[round(c / top * (len(BARS) - 1))] for c in counts)
 
 
-def _moe_table(rows: list[MoeRow]) -> Table:
+def _moe_tables(rows: list[MoeRow], width: int) -> list[Table]:
     """Per MoE block and side: routing entropy, loads, drops, agreement, counts."""
-    table = Table(
-        title="MoE routing per block (entropy normalized by ln E; drops: the model's capacity, "
-        "or counterfactual at the first capacity factor)",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
+    title = (
+        "MoE routing per block (entropy normalized by ln E; drops: the model's capacity, "
+        "or counterfactual at the first capacity factor)"
     )
-    for name in MOE_COLUMNS:
-        table.add_column(name, no_wrap=True, justify="left" if name in ("side", "tokens per expert") else "right")
-    for row in rows:
-        table.add_row(*row.cells, _bar(row.counts))
-    return table
+    cells = [dict(zip(MOE_COLUMNS, [*row.cells, _bar(row.counts)], strict=True)) for row in rows]
+    return _fitted(title, MOE_COLUMNS[:2], MOE_COLUMNS[2:], cells, width)

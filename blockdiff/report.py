@@ -288,20 +288,28 @@ class Divergence:
     def headline(self) -> str:
         """The divergence in one line, as every renderer states it.
 
+        A residual check that compared the input reaching a module names it so: the
+        module (often a norm) computed nothing wrong, the block's glue before it did.
+
         >>> first.headline()  # doctest: +SKIP
         'block 1 ffn (blocks.1.ffn): rel_l2 0.162 > threshold 0.0001 (1619.6x)'
+        >>> residual.headline()  # doctest: +SKIP
+        'block 1 residual (input of blocks.1.ffn_norm): rel_l2 0.89 > threshold 0.0001 (8901.9x)'
         """
         where = self.where
         if self.check.part is not None:
             where += f" [{self.check.part}: {self.check.what}]"
+        module = self.module
+        if self.subpath == "residual" and self.check.what.startswith("input of"):
+            module = f"input of {module}"  # as the JSON's "what" and the HTML say it
         nonfinite_ref, nonfinite_cand = self.check.nonfinite
         if nonfinite_cand != nonfinite_ref:
             return (
-                f"{where} ({self.module}): {nonfinite_cand} non-finite values in the candidate, "
+                f"{where} ({module}): {nonfinite_cand} non-finite values in the candidate, "
                 f"{nonfinite_ref} in the reference"
             )
         return (
-            f"{where} ({self.module}): {self.check.metric} {self.check.measured:.3g} > threshold "
+            f"{where} ({module}): {self.check.metric} {self.check.measured:.3g} > threshold "
             f"{self.check.threshold.value:.3g} ({self.check.ratio:.1f}x)"
         )
 

@@ -1,6 +1,6 @@
 """Tolerance: the threshold each local error is judged against.
 
-Two policies (DESIGN.md, "Tolerance"):
+Two policies (docs/design.md, "Tolerance"):
 
 - **fixed**: a relative-L2 threshold per dtype (the lower-precision side's), the same for
   every site unless a sub-path or stage is overridden.

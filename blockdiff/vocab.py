@@ -1,4 +1,4 @@
-"""Vocabulary: the words of DESIGN.md as types, in one module that imports nothing of blockdiff.
+"""Vocabulary: the words of docs/design.md as types, in one module that imports nothing of blockdiff.
 
 Every other module takes its stage, sub-path, tolerance-target, router-format and
 check-kind names from here, so a new word is added in one place and a typo is a type error

@@ -1,7 +1,7 @@
 """Random weights that look trained, for test models built from configs.
 
 Default initialisations (std 0.02, norm weights of exactly 1, biases of 0) make attention
-nearly uniform and hide norm-weight and attention bugs (DESIGN.md, "Testing with random
+nearly uniform and hide norm-weight and attention bugs (docs/design.md, "Testing with random
 weights"). :func:`trained_looking_` draws, from a fixed seed: projections ~ N(0, 1/fan_in),
 embeddings ~ N(0, 1), norm weights ~ 1 ± 0.2 (or ± 0.2 around 0 for norms that add 1 to
 their weight), biases ~ U(-0.1, 0.1).

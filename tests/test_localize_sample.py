@@ -3,10 +3,14 @@ precision changes are blamed on nothing."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
+from rich.console import Console
 
-from blockdiff import Tolerance, diff
+from blockdiff import DivergenceError, Tolerance, assert_no_divergence, diff
+from blockdiff.render import render
 from samples import bugs, tinylm
 from tests.conftest import blamed
 
@@ -40,6 +44,25 @@ def test_fixed_policy_finds_bugs_in_bfloat16(name, ids):
     report = diff(tinylm.build(), candidate, ids, tolerance=Tolerance(policy="fixed"))
     assert blamed(report) == (stage, bugs.DEFAULT_BLOCK if stage == "block" else None, subpath)
 
+
+@pytest.mark.parametrize("name", ["post_norm", "residual_dropped"])
+def test_residual_bug_is_named_after_the_input_of_a_norm_not_the_norm(name, ids):
+    # The norm computes nothing wrong (its column stays clean): the glue feeding it does.
+    block = bugs.DEFAULT_BLOCK
+    report = diff(tinylm.build(), getattr(bugs, name)(), ids)
+    first = report.first_divergence
+    assert blamed(report) == ("block", block, "residual")
+    norm = f"blocks.{block}.ffn_norm"
+    saved = first.to_dict()  # the JSON's fields as they were
+    assert (saved["module"], saved["what"]) == (norm, f"input of {norm}")
+    assert first.headline().startswith(f"block {block} residual (input of {norm}): rel_l2 ")
+    assert not report.blocks[block].subpaths["norm"].diverged
+    console = Console(file=io.StringIO(), width=120, no_color=True)
+    render(report, console)
+    assert f"First divergence: {first.headline()}\n" in console.file.getvalue()
+    with pytest.raises(DivergenceError) as failed:  # the pytest failure message's first line
+        assert_no_divergence(tinylm.build(), getattr(bugs, name)(), ids)
+    assert str(failed.value).splitlines()[0] == first.headline()
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("residual", ["pre", "post", "parallel"])

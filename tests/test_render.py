@@ -149,6 +149,45 @@ def test_many_blocks_wrap_with_every_block_once(ids):
 
 
 
+def divergent_cells(report) -> list[str]:
+    """Every divergent table cell as it should print: its value and ``!``."""
+    view = View.of(report)
+    return [f"{cell.text}!" for column in view.columns for cell in column.cells.values() if cell.diverged]
+
+
+@pytest.mark.parametrize("width", [80, 60])
+@pytest.mark.parametrize("name", ["gelu_report", "moe_report"])
+def test_narrow_terminals_print_every_value_whole(name, width, request):
+    report = request.getfixturevalue(name)
+    console = plain(width)
+    render(report, console)
+    text = output(console)
+    expected = divergent_cells(report)
+    assert expected and all(value in text for value in expected), (expected, text)
+    for divergence in report.divergences:  # the report's own numbers, not only the view's
+        assert f"{divergence.check.measured:.2e}!" in text
+    cut = [line for line in text.splitlines() if "…" in line and "log scale" not in line]  # the drift scale's own …
+    assert cut == [], text
+    assert all(len(line.rstrip()) <= width for line in text.splitlines())
+
+
+def test_eighty_columns_keep_one_table_and_sixty_stack_it(gelu_report):
+    def headers(width: int) -> list[list[str]]:
+        console = plain(width)
+        render(gelu_report, console)
+        return [line.split() for line in output(console).splitlines() if line.split()[:1] == ["site"]]
+
+    assert headers(120) == headers(80) == [["site", *ROWS, "drift"]]
+    assert headers(60) == [["site", "attention", "ffn", "norm", "residual"], ["site", "whole", "drift"]]
+    console = plain(60)
+    render(gelu_report, console)
+    rows = [line.split()[2:] for line in output(console).splitlines() if line.split()[:2] == ["block", "2"]]
+    column = next(column for column in View.of(gelu_report).columns if column.block == 2)
+    shown = {name: column.cells[name].text + ("!" if column.cells[name].diverged else "") for name in ROWS}
+    # The bug's block once per stacked table: its sub-paths, then its whole block and drift.
+    assert rows == [[shown[name] for name in ROWS[:4]], [shown["whole"], f"{column.drift:.2e}"]]
+    assert shown["ffn"].endswith("!") and shown["whole"].endswith("!")
+
 def test_table_rows_follow_execution_order_across_stacks():
     """An encoder-decoder's table: the encoder's final norm before the decoder's blocks."""
     from rich.console import Console
