@@ -1,6 +1,6 @@
 """Localize: the order of the experiments of one diff, and nothing else.
 
-Works block by block from two sides (DESIGN.md, "The localization procedure"; sides in
+Works block by block from two sides (docs/design.md, "The localization procedure"; sides in
 :mod:`blockdiff.sides`): the stages outside blocks, then per block, in execution order,
 the block-level experiment, each sub-path module (an MoE ffn as router and experts,
 :func:`~blockdiff.moe.moe_checks`), the residual, the MoE routing statistics, and drift

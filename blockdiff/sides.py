@@ -1,6 +1,6 @@
 """Sides: what the engine asks of an implementation, whatever kind it is.
 
-A *side* (DESIGN.md, "Sides") is the reference or the candidate. The engine asks four
+A *side* (docs/design.md, "Sides") is the reference or the candidate. The engine asks four
 things of it, and nothing else:
 
 - its **sites**: what one run of the whole model recorded (:attr:`Side.store`);
