@@ -125,52 +125,106 @@ def capture(
     order = [0]
     blocks_done = [0]
     handles = []
+    # Calls made inside a compiled graph, in program order: the hook is traced by dynamo,
+    # so it may only append (no copies, no counters, nothing that breaks the graph); the
+    # graph hands the tensors over when it finishes, and they are recorded from here, in
+    # order with the calls made eagerly around it.
+    traced: list[tuple] = []
+    patched: list[tuple[nn.Module, Callable]] = []
 
-    def pre_hook(path: str, where: tuple[str, int | None, str | None]):
-        stage, block, subpath = where
+    # One pair of hook functions for every module, which look the module up: a hook that
+    # differed per module (a closure over its path) would make dynamo compile one graph
+    # per block where the model alone shares one.
+    sites: dict[int, tuple[str, tuple[str, int | None, str | None]]] = {}
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            group = (stage, block, subpath)
-            site = Site(
-                stage=stage,
-                block=block,
-                subpath=subpath,
-                module=path,
-                call=calls.get(path, 0),
-                ordinal=ordinals.get(group, 0),
-                args=snapshot(args),
-                kwargs=snapshot(kwargs),
-                order=order[0],
-            )
-            calls[path] = site.call + 1
-            ordinals[group] = site.ordinal + 1
-            order[0] += 1
-            open_sites.setdefault(path, []).append(site)
+    def opened(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        path, (stage, block, subpath) = sites[id(module)]
+        group = (stage, block, subpath)
+        site = Site(
+            stage=stage,
+            block=block,
+            subpath=subpath,
+            module=path,
+            call=calls.get(path, 0),
+            ordinal=ordinals.get(group, 0),
+            args=snapshot(args),
+            kwargs=snapshot(kwargs),
+            order=order[0],
+        )
+        calls[path] = site.call + 1
+        ordinals[group] = site.ordinal + 1
+        order[0] += 1
+        open_sites.setdefault(path, []).append(site)
+
+    def closed(module: nn.Module, output: Any) -> None:
+        site = open_sites[sites[id(module)][0]].pop()
+        site.output = snapshot(output)
+        snapshot.add(store, site)
+        if progress is not None and site.stage == "block" and site.subpath is None:
+            blocks_done[0] += 1
+            progress(blocks_done[0], len(layout.blocks))
+
+    def drain() -> None:
+        """Record the calls a compiled graph handed over, in their order."""
+        for event in traced:
+            if event[0] == "pre":
+                opened(*event[1:])
+            else:
+                closed(*event[1:])
+        traced.clear()
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            traced.append(("pre", module, args, kwargs))
             return None
+        drain()
+        opened(module, args, kwargs)
+        return None
 
-        return hook
-
-    def post_hook(path: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            site = open_sites[path].pop()
-            site.output = snapshot(output)
-            snapshot.add(store, site)
-            if progress is not None and site.stage == "block" and site.subpath is None:
-                blocks_done[0] += 1
-                progress(blocks_done[0], len(layout.blocks))
+    def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            traced.append(("post", module, output))
             return None
-
-        return hook
+        drain()
+        closed(module, output)
+        return None
 
     try:
         for path, where in layout.site_of().items():
             module = modules[path]
-            handles.append(module.register_forward_pre_hook(pre_hook(path, where), with_kwargs=True))
-            handles.append(module.register_forward_hook(post_hook(path), with_kwargs=True))
+            if id(module) in sites:  # one module at two paths: recorded under the first
+                continue
+            sites[id(module)] = (path, where)
+            if module.__dict__.get("_compiled_call_impl") is not None:
+                # Compiled in place (`layer.compile()`): its own hooks would run inside its
+                # graph, where the calls of the block before are still being handed over (a
+                # graph per block). Recorded around the compiled call instead, eagerly.
+                patched.append(_record_around(module, pre_hook, post_hook))
+                continue
+            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
         yield store
+        drain()
     finally:
         for handle in handles:
             handle.remove()
+        for module, original in patched:
+            module._compiled_call_impl = original
+
+
+def _record_around(module: nn.Module, pre_hook: Callable, post_hook: Callable) -> tuple[nn.Module, Callable]:
+    """Wrap a module's in-place compiled call (``module.compile()``) with the recording
+    hooks, run eagerly before and after it; returns what to put back."""
+    original = module._compiled_call_impl
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        pre_hook(module, args, kwargs)
+        output = original(*args, **kwargs)
+        post_hook(module, args, kwargs, output)
+        return output
+
+    module._compiled_call_impl = recorded
+    return module, original
 
 
 Hold = Literal["kept", "written"]

@@ -38,7 +38,7 @@ from .loading import is_dump
 from .localize import Localizer, NonfiniteScan
 from .pairing import check_block_counts
 from .report import Report
-from .sides import DumpSide, LiveSide, Side, describe
+from .sides import DumpSide, LiveSide, Side, compiled_code_limits, describe
 from .store import MemoryStore, release_freed_memory
 from .tolerance import Tolerance
 from .vocab import DRIFT
@@ -267,6 +267,7 @@ def diff(
     with ExitStack() as stack:
         stack.enter_context(eval_mode(reference))
         stack.enter_context(eval_mode(candidate))
+        stack.enter_context(compiled_code_limits())
         if save_dumps is None and not stream:
             return _in_memory([ref, cand], inputs, localize)
         if save_dumps is not None:
@@ -322,7 +323,7 @@ def replay(
         ref = DumpSide("reference", dump, label=labels[0])
         cand = _live_side("candidate", candidate, candidate_hooks, stored, labels[1])
         check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
-        with eval_mode(candidate):
+        with eval_mode(candidate), compiled_code_limits():
             report = _in_memory(
                 [cand],
                 stored,
@@ -382,7 +383,7 @@ def capture(
     """
     check_inputs(inputs)
     side = _live_side("captured", model, hooks, inputs, label)
-    with eval_mode(model):
+    with eval_mode(model), compiled_code_limits():
         _stream(side, inputs, out, compress=compress)
 
 

@@ -224,7 +224,7 @@ def find(model: nn.Module) -> HookMap:
     Raises:
         HookMapError: no bundled map matches.
     """
-    cls = type(model).__name__
+    cls = type(uncompiled(model)).__name__
     for hook_map in bundled():
         if cls in hook_map.match:
             return hook_map
@@ -255,15 +255,18 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
 
             hook_map = detect(model)
     modules = dict(model.named_modules())
+    # Maps name modules as written, without torch.compile's wrappers: a path is looked up
+    # with every `_orig_mod` step taken out, and stands for the outermost module there
+    # (`layers.0` for a compiled layer, whose own modules are `layers.0._orig_mod.*`).
+    actual: dict[str, str] = {}
+    for path in modules:
+        actual.setdefault(without_compile(path), path)
 
     def lookup(path: str) -> str | None:
-        if path in modules:
-            return path
-        if hook_map.prefix and path.startswith(hook_map.prefix):
-            stripped = path[len(hook_map.prefix):]
-            if stripped in modules:
-                return stripped
-        return None
+        found = actual.get(without_compile(path))
+        if found is None and hook_map.prefix and path.startswith(hook_map.prefix):
+            found = actual.get(without_compile(path[len(hook_map.prefix):]))
+        return found
 
     def missing(what: str, path: str) -> HookMapError:
         return HookMapError(
@@ -296,21 +299,22 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
             )
         for name, _ in stack.named_children():
             block_path = f"{found}.{name}" if found else name
+            clean_block = without_compile(block_path)
             layout = BlockLayout(index=len(blocks), path=block_path, stack=found)
             for subpath in MODULE_SUBPATHS:
                 paths = []
                 for rel in hook_map.subpaths.get(subpath, ()):
-                    full = f"{block_path}.{rel}"
-                    if full not in modules:
+                    full = actual.get(without_compile(f"{clean_block}.{rel}"))
+                    if full is None:
                         if rel in hook_map.optional:
                             continue  # absent in this block (an encoder block has no cross-attention)
-                        raise missing(f"{subpath} module", full)
+                        raise missing(f"{subpath} module", f"{block_path}.{rel}")
                     paths.append(full)
                 if paths:
                     layout.subpaths[subpath] = paths
             layout.unmapped = _unmapped(modules, block_path, layout.subpaths)
-            routers = [f"{block_path}.{r}" for r in hook_map.moe.get("router", [])]
-            router = next((r for r in routers if r in modules), None)
+            routers = [actual.get(without_compile(f"{clean_block}.{r}")) for r in hook_map.moe.get("router", [])]
+            router = next((r for r in routers if r is not None), None)
             if router is not None:  # blocks without a router are dense
                 layout.moe = {"router": router, "format": hook_map.moe["format"]}
                 if "capacity" in hook_map.moe:
@@ -319,6 +323,21 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
     if not blocks:
         raise HookMapError(f"hook map {hook_map.name}: the block list is empty", source=hook_map.source)
     return Layout(hook_map=hook_map, outside=outside, blocks=blocks)
+
+
+COMPILED = "_orig_mod"  # where torch.compile's OptimizedModule keeps the module it wraps
+
+
+def without_compile(path: str) -> str:
+    """``path`` with torch.compile's wrapper steps taken out: ``layers.0._orig_mod.mlp``
+    → ``layers.0.mlp``; ``_orig_mod.embed`` → ``embed``."""
+    return ".".join(part for part in path.split(".") if part != COMPILED)
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper holds (``model`` itself when it is none)."""
+    inner = getattr(model, COMPILED, None)
+    return inner if isinstance(inner, nn.Module) else model
 
 
 def _unmapped(modules: dict[str, nn.Module], block_path: str, subpaths: dict[str, list[str]]) -> list[str]:

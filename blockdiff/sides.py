@@ -25,8 +25,9 @@ members; the localizer (:mod:`blockdiff.localize`) never branches on kinds.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -116,6 +117,7 @@ class LiveSide:
         self.layout = layout
         self.meta = describe(model, layout, label)
         self.store: SiteStore | None = None  # set by record()
+        self._compiled: dict[str, Callable] = {}  # runnable(): modules compiled like their model
 
     @property
     def device(self) -> torch.device:
@@ -138,6 +140,26 @@ class LiveSide:
 
     def module(self, path: str) -> nn.Module:
         return self.model.get_submodule(path)
+
+    def runnable(self, path: str, module: nn.Module | None = None) -> Callable:
+        """What runs module ``path`` (``module``, when the caller holds it already) the way
+        the side's own forward runs it: the module itself, or — inside a model or module
+        under ``torch.compile`` — the module compiled with that compile's own backend and
+        options, so that an experiment judges the generated code, not the eager module it
+        was generated from. Compiled once per module, on first use."""
+        module = self.module(path) if module is None else module
+        if compile_context(module) is not None:
+            return module  # compiled itself (`layers[i] = torch.compile(layer)`, `layer.compile()`)
+        context = None
+        parts = path.split(".") if path else []
+        for depth in range(len(parts)):  # every ancestor; the innermost compiled one counts
+            context = compile_context(self.model.get_submodule(".".join(parts[:depth]))) or context
+        if context is None:
+            return module
+        compiled = self._compiled.get(path)
+        if compiled is None:
+            compiled = self._compiled[path] = context(module)
+        return compiled
 
     def attribute(self, path: str) -> Any:
         owner, _, attr = path.rpartition(".")
@@ -163,7 +185,7 @@ class LiveSide:
 
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
         args, kwargs = self._replay(call, hidden)
-        return self.module(path)(*args, **kwargs)
+        return self.runnable(path)(*args, **kwargs)
 
     def run_block(
         self, path: str, call: Site, hidden: Hidden | None, modules: dict[str, str], frozen: Frozen | None
@@ -221,7 +243,7 @@ class LiveSide:
                     patched.append((module, module.__dict__.get("forward", missing)))
                     module.forward = frozen_forward(rel, module.forward)
             args, kwargs = self._replay(call, hidden)
-            out = primary_tensor(block(*args, **kwargs))
+            out = primary_tensor(self.runnable(path, block)(*args, **kwargs))
         finally:
             for handle in handles:
                 handle.remove()
@@ -258,6 +280,9 @@ class PrecisionSide(LiveSide):
     def module(self, path: str) -> nn.Module:
         # Positional .to calls: some models' .to takes no keywords (HookedTransformer).
         return copy.deepcopy(self.model.get_submodule(path)).to(self._device).to(self.cast)
+
+    def runnable(self, path: str, module: nn.Module | None = None) -> Callable:
+        return self.module(path) if module is None else module  # a copy, run eagerly
 
     def record(
         self, inputs: Inputs, store: SiteStore, *, hold: str | None = None, progress: Callable[[int, int], None] | None = None
@@ -316,6 +341,45 @@ class DumpSide:
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> None:
         return None
+
+
+@contextlib.contextmanager
+def compiled_code_limits() -> Iterator[None]:
+    """Room for the recompiles a diff causes, and no silent fallback to eager code.
+
+    Each experiment on a compiled module calls it with hooks or frozen modules of its own,
+    which dynamo guards on: a recompile per experiment. Past dynamo's recompile limit
+    (8 per code object, shared by every block of a model) it would quietly run the eager
+    code, and the experiment would judge code the candidate does not run. Within a
+    blockdiff run the limits are raised, and hitting one raises instead of falling back.
+    """
+    from torch._dynamo import config
+
+    with config.patch(
+        recompile_limit=max(config.recompile_limit, 4096),
+        accumulated_recompile_limit=max(config.accumulated_recompile_limit, 65536),
+        fail_on_recompile_limit_hit=True,
+    ):
+        yield
+
+
+def compile_context(module: nn.Module) -> Any:
+    """The ``torch.compile`` context (backend and options) ``module`` runs under when it is
+    compiled itself — an ``OptimizedModule``, or compiled in place with
+    ``module.compile()`` — else ``None``."""
+    from torch._dynamo.eval_frame import OptimizedModule, _TorchDynamoContext
+
+    if isinstance(module, OptimizedModule):
+        return module.dynamo_ctx
+    compiled = module.__dict__.get("_compiled_call_impl")
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, _TorchDynamoContext):
+            return value
+    return None
 
 
 def _replace_all(output: Any, recorded: Any, device: torch.device) -> Any:

@@ -66,10 +66,9 @@ def test_drift_checks_survive_the_json_round_trip(ids):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_miscompile_never_passes(dtype, ids):
     # The stand-in for a compiler bug, on the plumbing backend (no C++ build); one compiled
-    # model serves the full and the fast run.
+    # model serves the full and the fast run. (Experiments judge compiled code, so the ffn
+    # is blamed; were an experiment to run eager code, the drift would still be.)
     candidate = bugs.miscompiled(block=1, backend="aot_eager", dtype=dtype)
     for fast_path in (False, True):
         report = diff(tinylm.build(), candidate, ids, fast_path=fast_path, tolerance=Tolerance())
         assert blamed(report) in {("block", 1, "ffn"), ("block", 1, "drift")}, fast_path
-    if dtype == torch.bfloat16:  # no eager module is wrong: the drift alone shows it
-        assert blamed(report) == ("block", 1, "drift")
