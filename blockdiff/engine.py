@@ -428,6 +428,7 @@ def _localize(
         version=__version__,
     )
     _nonfinite_notes(report, localizer.nonfinite)
+    report.notes.extend(localizer.notes)
     first = report.first_divergence
     if first is not None and first.subpath == DRIFT:
         basis = (

@@ -15,7 +15,7 @@ starts; replay against a live candidate tells them apart.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -24,10 +24,12 @@ from .moe import moe_checks, moe_statistics
 from .pairing import BlockPair, check_block_counts, check_paired, in_order, outside_position, pair_block, pair_outside
 from .report import BlockResult, Check, StageResult, SubpathResult
 from .sides import Side
-from .site import Site, describe_key
+from .site import NotReplayable, Site, describe_key
 from .store import MemoryStore, release_freed_memory
 from .tolerance import Tolerance
-from .vocab import OFFLINE_DRIFT
+from .vocab import NOT_JUDGED, OFFLINE_DRIFT
+
+T = TypeVar("T")
 
 
 class Localizer:
@@ -61,6 +63,20 @@ class Localizer:
         self.capacity_factors = tuple(capacity_factors)
         self.moe: list[dict[str, Any]] = []  # routing statistics, one entry per MoE block
         self.nonfinite = NonfiniteScan()
+        self.notes: list[str] = []  # what could not be judged, and why
+
+    def _judged(self, where: str, experiment: Callable[[], T]) -> T | None:
+        """``experiment()``, or ``None`` (and a note) when a call it replays holds an
+        argument that cannot be replayed faithfully: such a check is not judged, never
+        blamed on a wrong argument."""
+        try:
+            return experiment()
+        except NotReplayable as exc:
+            self.notes.append(
+                f"{where}: not judged: {exc} (a dump keeps only the type of such an argument; "
+                "localize in memory, without --stream/--save-dumps, to judge it)"
+            )
+            return None
 
     def _drift_check(self, target: str, r: Site, c: Site) -> Check | None:
         drift = self.experiments.drift(r, c)
@@ -73,7 +89,8 @@ class Localizer:
         for r, c in pair_outside(self.ref.store, self.cand.store):
             self.nonfinite.see(r, c)
             if self.cand.live:
-                check, judged = self.experiments.module_check(r.stage, r, c), self.experiments.drift_check(r, c)
+                check = self._judged(r.stage, lambda: self.experiments.module_check(r.stage, r, c))
+                judged = self.experiments.drift_check(r, c)
             else:  # the drift check is the stage's only check
                 check, judged = self._drift_check(r.stage, r, c), None
             yield StageResult(r.stage, c.module, check, self.experiments.drift(r, c), order=r.order, drift_check=judged)
@@ -96,8 +113,10 @@ class Localizer:
             return self._drift_only(pair)
         exp = self.experiments
         block_check = None
+        where = f"block {index}"
         if pair.cand_layout is not None:
-            (block_check,) = exp.block_checks(pair, frozen=False)
+            found = self._judged(f"{where} (whole block)", lambda: exp.block_checks(pair, frozen=False))
+            block_check = found[0] if found else None
         # The whole-block experiment runs with routing frozen, so it cannot clear a router:
         # MoE blocks always get their sub-path experiments.
         skip = self.fast_path and not pair.moe and block_check is not None and not block_check.diverged
@@ -108,12 +127,21 @@ class Localizer:
             if skip:
                 continue
             if pair.router_of(r) is not None:
-                result.checks.extend(moe_checks(exp, pair, r, c))
+                checks = self._judged(f"{where} {r.subpath} ({c.module})", lambda: moe_checks(exp, pair, r, c))
             else:
-                result.checks.append(exp.module_check(r.subpath, r, c))
+                found = self._judged(f"{where} {r.subpath} ({c.module})", lambda: exp.module_check(r.subpath, r, c))
+                checks = None if found is None else [found]
+            if checks is None:
+                result.status = NOT_JUDGED
+            else:
+                result.checks.extend(checks)
         residual = SubpathResult(status, order=pair.last_order() + 0.5)
         if not skip and pair.cand_layout is not None and pair.ref_layout is not None:
-            residual.checks = exp.block_checks(pair, frozen=True)
+            checks = self._judged(f"{where} residual", lambda: exp.block_checks(pair, frozen=True))
+            if checks is None:
+                residual.status = NOT_JUDGED
+            else:
+                residual.checks = checks
         if pair.moe:
             self.moe.append(moe_statistics(exp, pair, subpaths.get("ffn"), self.capacity_factors))
         subpaths["residual"] = residual

@@ -2,9 +2,12 @@
 
 A :class:`Site` holds what a module received (positional and keyword arguments) and what
 it returned, as snapshots: tensors are copied when recorded, because some models change a
-module's output in place after the hooks have run. Objects that must never be replayed
-(a KV cache, anything that is not plain data) are kept only as an :class:`Opaque` marker
-naming their type, and replayed as ``None``.
+module's output in place after the hooks have run. An argument that is not plain data (a
+flex-attention ``BlockMask``, a config, a callable) is an :class:`Opaque` marker naming its
+type and, in memory, holding the object itself: replayed as the side's own object. A KV
+cache is never held nor replayed (``None``); an object a dump could not keep cannot be
+replayed faithfully, and replaying it raises :class:`NotReplayable` (the check is then
+not judged, never falsely blamed).
 
 Sites are paired between reference and candidate by :attr:`Site.key`:
 ``(stage, block, subpath, ordinal)``, where *ordinal* counts the calls of that sub-path
@@ -19,6 +22,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
+from .errors import BlockdiffError
 from .vocab import MODULE_SUBPATHS, STAGES, SUBPATHS  # noqa: F401  (re-exported)
 
 
@@ -39,9 +43,32 @@ POSITIONAL_ROLE = "arg{}"
 
 @dataclass(frozen=True)
 class Opaque:
-    """Marker for a recorded argument that is not plain data (a cache object, say)."""
+    """Marker for a recorded argument that is not plain data.
+
+    Attributes:
+        type_name: the object's class name (what a dump keeps).
+        value: the object itself, held while the record is in memory, and replayed as it
+            is; ``None`` for a KV cache (never replayed) and for a marker read from a dump.
+        cache: whether it is a KV cache (replayed as ``None``: a recorded cache must never
+            feed a later call).
+    """
 
     type_name: str
+    value: Any = field(default=None, compare=False, repr=False)
+    cache: bool = field(default=False, compare=False)
+
+
+class NotReplayable(BlockdiffError):
+    """A recorded argument that is not plain data was not kept (a dump holds only its
+    type): the call cannot be replayed faithfully."""
+
+    def __init__(self, type_name: str) -> None:
+        super().__init__(f"a {type_name} argument was recorded by type only and cannot be replayed")
+        self.type_name = type_name
+
+
+def _is_cache(obj: Any) -> bool:
+    return any(cls.__name__.endswith("Cache") for cls in type(obj).__mro__)
 
 
 @dataclass
@@ -135,7 +162,9 @@ def map_structure(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     # HF ModelOutput and similar dataclass-like containers behave as ordered dicts.
     if hasattr(obj, "to_tuple") and hasattr(obj, "keys"):
         return {k: map_structure(obj[k], fn) for k in obj.keys()}
-    return Opaque(type(obj).__name__)
+    if _is_cache(obj):
+        return Opaque(type(obj).__name__, cache=True)
+    return Opaque(type(obj).__name__, obj)
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -175,20 +204,28 @@ def snapshot(obj: Any) -> Any:
 def for_replay(obj: Any, *, device: torch.device | str, dtype: torch.dtype | None = None) -> Any:
     """Move a recorded structure to ``device``; floating tensors cast to ``dtype`` if given.
 
-    :class:`Opaque` markers become ``None``: recorded caches are never replayed.
+    :class:`Opaque` markers become the objects they hold; a recorded cache becomes ``None``
+    (never replayed).
+
+    Raises:
+        NotReplayable: a marker that holds no object (read from a dump) and is no cache.
     """
-    return _drop_opaque(map_structure(obj, lambda t: replayed_copy(t, device, dtype)))
+    return _unwrap_opaque(map_structure(obj, lambda t: replayed_copy(t, device, dtype)))
 
 
-def _drop_opaque(obj: Any) -> Any:
+def _unwrap_opaque(obj: Any) -> Any:
     if isinstance(obj, Opaque):
-        return None
+        if obj.cache:
+            return None
+        if obj.value is None:
+            raise NotReplayable(obj.type_name)
+        return obj.value
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_drop_opaque(v) for v in obj))
+        return type(obj)(*(_unwrap_opaque(v) for v in obj))
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_drop_opaque(v) for v in obj)
+        return type(obj)(_unwrap_opaque(v) for v in obj)
     if isinstance(obj, dict):
-        return {k: _drop_opaque(v) for k, v in obj.items()}
+        return {k: _unwrap_opaque(v) for k, v in obj.items()}
     return obj
 
 

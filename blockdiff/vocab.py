@@ -34,6 +34,9 @@ BEFORE_BLOCKS: tuple[OutsideStage, ...] = ("embed", "context")
 # divergence it shows that no sub-path explains is blamed on the sub-path "unattributed".
 BLOCK_TARGET: Target = "block"
 UNATTRIBUTED = "unattributed"
+# A sub-path whose experiment replays an argument that could not be kept (a dump holds only
+# its type): reported with this status and a note, never judged on a wrong argument.
+NOT_JUDGED = "not_judged"
 
 # What a check compared (``Check.what``) for the checks whose kind matters downstream.
 ROUTER_LOGITS = "router logits"

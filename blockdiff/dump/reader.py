@@ -78,7 +78,8 @@ class _Decoder:
         if kind == "device":
             return torch.device(_expect(node["value"], str))
         if kind == "opaque":
-            return Opaque(_expect(node["value"], str))
+            name = _expect(node["value"], str)
+            return Opaque(name, cache=name.endswith("Cache"))  # the object itself is not kept
         if kind == "tuple":
             return tuple(self.node(v) for v in _expect(node["items"], list))
         if kind == "list":
