@@ -38,7 +38,7 @@ from .loading import is_dump
 from .localize import Localizer, NonfiniteScan
 from .pairing import check_block_counts
 from .report import Report
-from .sides import DumpSide, LiveSide, Side, compiled_code_limits, describe
+from .sides import DumpSide, LiveSide, Side, compiled_code_limits, describe, versions
 from .store import MemoryStore, release_freed_memory
 from .tolerance import Tolerance
 from .vocab import DRIFT
@@ -321,6 +321,7 @@ def replay(
                 f"(digest {digest(inputs)}); replay uses the dump's own inputs"
             )
         ref = DumpSide("reference", dump, label=labels[0])
+        stored_versions = dump.meta.get("versions")
         cand = _live_side("candidate", candidate, candidate_hooks, stored, labels[1])
         check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
         with eval_mode(candidate), compiled_code_limits():
@@ -330,7 +331,17 @@ def replay(
                 lambda: _localize(ref, cand, stored, tolerance, fast_path=fast_path, capacity_factors=capacity_factors),
             )
     report.notes.insert(0, f"replay: the reference is the dump {reference}")
+    changed = _version_changes(stored_versions, versions(candidate))
+    if changed:
+        report.notes.insert(1, f"the dump was captured under other package versions ({changed}): code may have moved between modules")
     return report
+
+
+def _version_changes(stored: Any, current: dict[str, str]) -> str:
+    """``transformers 4.57.0 → 5.23.0, ...`` for the packages both record with different versions."""
+    if not isinstance(stored, dict):
+        return ""
+    return ", ".join(f"{name} {stored[name]} → {version}" for name, version in current.items() if name in stored and stored[name] != version)
 
 
 def compare_dumps(
@@ -470,7 +481,7 @@ def _stream(side: LiveSide, inputs: Inputs, path: str | Path, *, compress: str |
     model's own tensors (see :func:`~blockdiff.capture.record_once`); should the model
     change one before its site is written, the dump is thrown away and the capture runs
     again with copies."""
-    meta = {**side.meta, "layout": side.layout.to_dict(), "inputs_digest": digest(inputs)}
+    meta = {**side.meta, "layout": side.layout.to_dict(), "inputs_digest": digest(inputs), "versions": versions(side.model)}
 
     def attempt(copy: bool) -> None:
         with DumpWriter(path, meta=meta, compress=compress) as writer:

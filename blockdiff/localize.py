@@ -24,7 +24,8 @@ from .moe import moe_checks, moe_statistics
 from .pairing import BlockPair, check_block_counts, check_paired, in_order, outside_position, pair_block, pair_outside
 from .report import BlockResult, Check, StageResult, SubpathResult
 from .sides import Side
-from .site import NotReplayable, Site, describe_key
+from .compare import metrics
+from .site import NotReplayable, Site, SiteKey, describe_key
 from .store import MemoryStore, release_freed_memory
 from .tolerance import Tolerance
 from .vocab import NOT_JUDGED, OFFLINE_DRIFT
@@ -86,14 +87,51 @@ class Localizer:
 
     def stages(self) -> Iterator[StageResult]:
         """Local errors and drift of the sites outside blocks (embed, context, final norm, head)."""
-        for r, c in pair_outside(self.ref.store, self.cand.store):
+        pairs = pair_outside(self.ref.store, self.cand.store)
+        for r, c in pairs:
             self.nonfinite.see(r, c)
             if self.cand.live:
                 check = self._judged(r.stage, lambda: self.experiments.module_check(r.stage, r, c))
                 judged = self.experiments.drift_check(r, c)
             else:  # the drift check is the stage's only check
                 check, judged = self._drift_check(r.stage, r, c), None
-            yield StageResult(r.stage, c.module, check, self.experiments.drift(r, c), order=r.order, drift_check=judged)
+            result = StageResult(r.stage, c.module, check, self.experiments.drift(r, c), order=r.order, drift_check=judged)
+            if self.cand.live and check is not None and check.diverged:
+                result.boundary_move = self._boundary_move(r, check, pairs)
+            yield result
+
+    def _boundary_move(self, r: Site, check: Check, pairs: list[tuple[Site, Site]]) -> dict[str, Any] | None:
+        """Whether a stage's diverging output is code moved across its module boundary: the
+        tensor reaching the next stage agrees on both sides (a Gemma embedding scale applied
+        inside the embedding on one side, after it on the other). Judged with the stage's
+        own threshold; only where the next stage's input is recorded (embed → the first
+        block, final norm → the head)."""
+        if r.stage == "embed" and self.ref.store.block_indices():
+            first = self.ref.store.block_indices()[0]
+            key = SiteKey.of_block(first)
+            ref_next = next((s for s in self.ref.store.block_sites(first) if s.key == key), None)
+            cand_next = next((s for s in self.cand.store.block_sites(first) if s.key == key), None)
+            reaches = f"block {first} input"
+        elif r.stage == "final_norm":
+            heads = [(a, b) for a, b in pairs if a.stage == "head"]
+            ref_next, cand_next = heads[0] if heads else (None, None)
+            reaches = "head input"
+        else:
+            return None
+        if ref_next is None or cand_next is None:
+            return None
+        expected, got = ref_next.hidden_input(), cand_next.hidden_input()
+        if expected is None or got is None or expected.shape != got.shape:
+            return None
+        agreement = metrics(expected, got, dtype=self.dtype)
+        if agreement.nonfinite_cand or not agreement.rel_l2 <= check.threshold.value:
+            return None
+        self.notes.append(
+            f"{r.stage} ({r.module}): the output differs (rel_l2 {check.measured:.3g}) but what reaches the "
+            f"{reaches} agrees (rel_l2 {agreement.rel_l2:.3g}): code moved across the module boundary "
+            "(the same computation done inside the module on one side and after it on the other); not blamed"
+        )
+        return {"reaches": reaches, "rel_l2": agreement.rel_l2}
 
     def blocks(self) -> Iterator[BlockResult]:
         """One :class:`BlockResult` per block, in order; reads one block's sites at a time."""

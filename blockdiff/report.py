@@ -168,6 +168,9 @@ class StageResult:
     drift: Metrics | None
     order: float = 0
     drift_check: Check | None = None  # drift judged against its tolerance (live candidates)
+    # Its output differs but what reaches the next stage agrees: code moved across the
+    # module boundary ({"reaches": "block 0 input", "rel_l2": ...}); blames nothing.
+    boundary_move: dict[str, Any] | None = None
 
     @property
     def drift_order(self) -> float:
@@ -181,6 +184,7 @@ class StageResult:
             "local": _optional(self.local, Check.to_dict),
             "drift": _optional(self.drift, Metrics.to_dict),
             "drift_check": _optional(self.drift_check, Check.to_dict),
+            "boundary_move": self.boundary_move,
         }
 
     @classmethod
@@ -191,6 +195,7 @@ class StageResult:
             _optional(data.get("local"), Check.from_dict),
             _optional(data.get("drift"), Metrics.from_dict),
             drift_check=_optional(data.get("drift_check"), Check.from_dict),
+            boundary_move=data.get("boundary_move"),
         )
 
 
@@ -336,7 +341,7 @@ class Report:
         """Every divergent stage or (block, sub-path), in execution order."""
         found: list[tuple[int, Divergence]] = []
         for stage in self.stages:
-            if stage.local is not None and stage.local.diverged:
+            if stage.local is not None and stage.local.diverged and stage.boundary_move is None:
                 found.append((stage.order, Divergence(stage.stage, None, None, stage.module, stage.local)))
         for block in self.blocks:
             any_subpath = False
@@ -380,7 +385,9 @@ class Report:
         fused kernel, code the hook map does not see), or precision accumulates past
         what the reference's own code at that precision does.
         """
-        items: list[tuple[float, StageResult | BlockResult]] = [(s.drift_order, s) for s in self.stages]
+        items: list[tuple[float, StageResult | BlockResult]] = [
+            (s.drift_order, s) for s in self.stages if s.boundary_move is None  # its next input agrees
+        ]
         items += [(b.drift_order, b) for b in self.blocks]
         for position, item in sorted(items, key=lambda pair: pair[0]):
             if before is not None and position >= before:

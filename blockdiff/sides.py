@@ -106,6 +106,30 @@ def describe(model: nn.Module, layout: Layout, label: str | None) -> dict[str, A
     }
 
 
+def versions(model: nn.Module) -> dict[str, str]:
+    """The versions of torch, of transformers when it is loaded, and of every installed
+    package that defines a module class of ``model``: what a dump records, so that a replay
+    under other versions (code moved between a module and its caller) can say so."""
+    import importlib.metadata
+    import sys
+
+    found = {"torch": torch.__version__}
+    roots = {type(m).__module__.split(".")[0] for m in model.modules()}
+    if "transformers" in sys.modules:
+        roots.add("transformers")
+    try:
+        distributions = importlib.metadata.packages_distributions()
+    except Exception:  # a broken environment: record what is certain
+        distributions = {}
+    for root in sorted(roots - {"torch", "builtins", "__main__"}):
+        for name in distributions.get(root, []):
+            try:
+                found[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return found
+
+
 class LiveSide:
     """An eager ``nn.Module`` with its layout; :meth:`record` fills its store."""
 
