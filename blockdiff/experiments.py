@@ -121,7 +121,9 @@ class Experiments:
         floor = self.with_floor(
             lambda side: metrics(ref_out, self.module_output(side, r.module, r, None), dtype=self.dtype).rel_l2
         )
-        return self.check(target, "output", c.module, ref_out, out, floor)
+        check = self.check(target, "output", c.module, ref_out, out, floor)
+        check.order = r.order
+        return check
 
     # -- one block ---------------------------------------------------------------------
 

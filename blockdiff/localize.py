@@ -83,7 +83,7 @@ class Localizer:
         drift = self.experiments.drift(r, c)
         if drift is None:
             return None
-        return Check(OFFLINE_DRIFT, c.module, drift, self.tolerance.threshold(target, self.dtype, None))
+        return Check(OFFLINE_DRIFT, c.module, drift, self.tolerance.threshold(target, self.dtype, None), order=r.order)
 
     def stages(self) -> Iterator[StageResult]:
         """Local errors and drift of the sites outside blocks (embed, context, final norm, head)."""

@@ -42,6 +42,10 @@ class Check:
     value: float | None = None
     metric: str = "rel_l2"
     details: dict[str, Any] | None = None
+    # Where the compared site ran, when it differs from its sub-path's first site (a
+    # block's second norm): a divergence is placed by its first diverging check. Not in
+    # the JSON, whose divergence list keeps the order.
+    order: float | None = field(default=None, compare=False)
 
     @property
     def measured(self) -> float:
@@ -351,7 +355,8 @@ class Report:
                     worst = result.worst
                     assert worst is not None
                     blamed = block.blamed(name)
-                    found.append((result.order, Divergence("block", block.index, blamed, worst.module, worst, block.stack)))
+                    position = min((c.order for c in result.checks if c.diverged and c.order is not None), default=result.order)
+                    found.append((position, Divergence("block", block.index, blamed, worst.module, worst, block.stack)))
             tolerated = any(c.tolerated for r in block.subpaths.values() for c in r.checks)
             if not any_subpath and not tolerated and block.block is not None and block.block.diverged:
                 # The block diverges but no sub-path explains it: never pass it silently.

@@ -46,6 +46,7 @@ from .site import (
     map_structure,
     primary_tensor,
     replace_primary,
+    recorded_copy,
     replayed_copy,
     with_hidden,
 )
@@ -239,7 +240,7 @@ class LiveSide:
                 loc = hidden_location(args, kwargs)
                 if loc is not None:
                     tensor = args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]]
-                    reached[(subpath, ordinal)] = tensor.detach().clone()
+                    reached[(subpath, ordinal)] = recorded_copy(tensor)
                 return None
 
             return hook

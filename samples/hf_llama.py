@@ -51,6 +51,11 @@ def build(*, arch: str = "llama", seed: int = 0, **overrides) -> nn.Module:
     return trained_looking_(model, seed=seed).eval()
 
 
+def build_flex(*, seed: int = 0) -> nn.Module:
+    """The same Llama with flex attention (its mask is a ``BlockMask`` object)."""
+    return build(seed=seed, attn_implementation="flex_attention")
+
+
 def build_qwen3(*, seed: int = 0) -> nn.Module:
     return build(arch="qwen3", seed=seed)
 

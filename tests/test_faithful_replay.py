@@ -9,7 +9,7 @@ import torch
 import blockdiff
 from blockdiff.site import NotReplayable, Opaque, for_replay, map_structure
 from samples import hf_llama
-from tests.conftest import blamed
+from tests.conftest import blamed, run_cli
 
 pytest.importorskip("transformers")
 
@@ -72,3 +72,9 @@ def test_a_streamed_flex_candidate_is_not_judged_where_its_mask_was_not_kept(ids
         # What does not need the mask is still judged.
         assert block.subpaths["ffn"].checks and not block.subpaths["ffn"].diverged
     assert any("BlockMask" in note and "not judged" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flex_attention_through_the_cli_exits_zero(dtype, capsys):
+    code, out, err = run_cli(["diff", "samples/hf_llama.py:build", "samples/hf_llama.py:build_flex", "--cand-dtype", dtype, "-q"], capsys)
+    assert (code, out.strip()) == (0, "no divergence"), err

@@ -190,3 +190,16 @@ def test_streamed_diff_gives_the_same_report(name, ids):
     streamed = diff(tinylm.build(), getattr(bugs, name)().to(torch.bfloat16), ids, stream=True).to_dict()
     in_memory.pop("created"), streamed.pop("created")
     assert streamed == in_memory
+
+
+def test_offline_comparison_names_the_first_site_in_execution_order(tmp_path, ids, capsys):
+    # The golden-failure flow: the attention scale is wrong in block 0. The first norm of
+    # block 0 runs before attention and is clean; the second (before the FFN) runs after it.
+    capture(tinylm.build(), ids, tmp_path / "golden.h5")
+    capture(bugs.attention_scale(block=0), ids, tmp_path / "golden.obtained.h5")
+    code, out, _ = run_cli(["diff", str(tmp_path / "golden.h5"), str(tmp_path / "golden.obtained.h5"), "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 1
+    assert "First divergence: block 0 attention (blocks.0.attn)" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    in_block_0 = [(d["subpath"], d["module"]) for d in data["divergences"] if d["block"] == 0]
+    assert in_block_0 == [("attention", "blocks.0.attn"), ("norm", "blocks.0.ffn_norm"), ("ffn", "blocks.0.ffn")]
