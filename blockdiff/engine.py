@@ -267,7 +267,7 @@ def diff(
     with ExitStack() as stack:
         stack.enter_context(eval_mode(reference))
         stack.enter_context(eval_mode(candidate))
-        stack.enter_context(compiled_code_limits())
+        stack.enter_context(compiled_code_limits(reference, candidate))
         if save_dumps is None and not stream:
             return _in_memory([ref, cand], inputs, localize)
         if save_dumps is not None:
@@ -324,7 +324,7 @@ def replay(
         stored_versions = dump.meta.get("versions")
         cand = _live_side("candidate", candidate, candidate_hooks, stored, labels[1])
         check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
-        with eval_mode(candidate), compiled_code_limits():
+        with eval_mode(candidate), compiled_code_limits(candidate):
             report = _in_memory(
                 [cand],
                 stored,
@@ -394,7 +394,7 @@ def capture(
     """
     check_inputs(inputs)
     side = _live_side("captured", model, hooks, inputs, label)
-    with eval_mode(model), compiled_code_limits():
+    with eval_mode(model), compiled_code_limits(model):
         _stream(side, inputs, out, compress=compress)
 
 

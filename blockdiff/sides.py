@@ -369,21 +369,30 @@ class DumpSide:
 
 
 @contextlib.contextmanager
-def compiled_code_limits() -> Iterator[None]:
-    """Room for the recompiles a diff causes, and no silent fallback to eager code.
+def compiled_code_limits(*models: nn.Module) -> Iterator[None]:
+    """Compiled code that runs what blockdiff adds, room for the recompiles that causes, and
+    no silent fallback to eager code.
 
-    Each experiment on a compiled module calls it with hooks or frozen modules of its own,
-    which dynamo guards on: a recompile per experiment. Past dynamo's recompile limit
-    (8 per code object, shared by every block of a model) it would quietly run the eager
-    code, and the experiment would judge code the candidate does not run. Within a
-    blockdiff run the limits are raised, and hitting one raises instead of falling back.
+    - By default dynamo does not guard on module hooks: a model compiled and run before
+      blockdiff hooked it would keep running its old graph, without the hooks, and record
+      nothing. Within a run, hooks are guarded; and when one of ``models`` holds compiled
+      code, dynamo's caches are reset first (``torch.compiler.reset()``: other compiled
+      functions of the process compile again on their next call).
+    - Each experiment on a compiled module calls it with hooks or frozen modules of its
+      own: a recompile per experiment. Past dynamo's recompile limit (8 per code object,
+      shared by every block of a model) it would quietly run the eager code, and the
+      experiment would judge code the candidate does not run. Within a run the limits are
+      raised, and hitting one raises instead of falling back.
     """
     from torch._dynamo import config
 
+    if any(compile_context(module) is not None for model in models for module in model.modules()):
+        torch.compiler.reset()
     with config.patch(
         recompile_limit=max(config.recompile_limit, 4096),
         accumulated_recompile_limit=max(config.accumulated_recompile_limit, 65536),
         fail_on_recompile_limit_hit=True,
+        skip_nnmodule_hook_guards=False,
     ):
         yield
 
