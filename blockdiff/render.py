@@ -30,7 +30,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .hookmap import Layout
+from .hookmap import AUTO_DETECTED, Layout
 from .report import Report
 from .view import (
     LEGEND,
@@ -51,6 +51,9 @@ ADVICE = (
     "next: read the module named above; `--json PATH` keeps every metric, "
     "`blockdiff arch MODEL` shows how sub-paths were mapped"
 )
+
+# What to do when a module belongs to no sub-path, or detection missed one.
+HOOKS_FIX = "write a hook map (docs/hook-maps.md) and pass it with --hooks FILE.toml"
 
 _LEVEL_STYLE = {"low": "green", "near": "yellow", "diverged": "bold red", "none": "dim"}
 
@@ -103,7 +106,7 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
             missing = f" ({', '.join(unmapped)} belong to no sub-path)" if unmapped else ""
             console.print(
                 "  the block diverges but no sub-path explains it: the hook map may be missing "
-                f"a module{escape(missing)}; check it with `blockdiff arch`",
+                f"a module{escape(missing)}; check it with `blockdiff arch`, then {HOOKS_FIX}",
                 highlight=False,
             )
     _heatmap(view, console)
@@ -299,12 +302,21 @@ def render_layout(layout: Layout, label: str, console: Console | None = None) ->
         table.add_row(str(block.index), block.path, *cells)
     console.print(table)
     unmapped = [p for b in layout.blocks for p in b.unmapped]
+    warnings = []
     if unmapped:
-        console.print(
-            f"[yellow]warning:[/] {len(unmapped)} modules with parameters belong to no sub-path "
-            f"(e.g. {escape(unmapped[0])}); their errors cannot be separated from the block's glue",
-            highlight=False,
+        warnings.append(
+            f"{len(unmapped)} modules with parameters belong to no sub-path (e.g. {unmapped[0]}); "
+            "their errors cannot be separated from the block's glue"
         )
+    lacking = [name for name in ("attention", "ffn") if not any(name in b.subpaths for b in layout.blocks)]
+    if lacking:
+        warnings.append(f"no block has {' or '.join(lacking)} modules")
+    if layout.hook_map.source == AUTO_DETECTED and not any(stage == "embed" for stage, _ in layout.outside):
+        warnings.append("no embedding was found")
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    if warnings:
+        console.print(f"  to fix: {HOOKS_FIX}", highlight=False)
 
 
 BARS = " ▁▂▃▄▅▆▇█"
