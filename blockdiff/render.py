@@ -35,6 +35,7 @@ from .report import Report
 from .view import (
     LEGEND,
     MOE_COLUMNS,
+    MOE_COUNTS,
     ROWS,
     SYMBOLS,
     WHOLE,
@@ -42,6 +43,7 @@ from .view import (
     MoeRow,
     View,
     fmt,
+    headline,
     level,
 )
 from .vocab import SUBPATHS, UNATTRIBUTED
@@ -49,6 +51,15 @@ from .vocab import SUBPATHS, UNATTRIBUTED
 # What the CLI says after a divergence; a test failure says its own (``advice=None``).
 ADVICE = (
     "next: read the module named above; `--json PATH` keeps every metric, "
+    "`blockdiff arch MODEL` shows how sub-paths were mapped"
+)
+# ... when the JSON report was written already (``path`` is where), or is what was shown.
+ADVICE_JSON_WRITTEN = (
+    "next: read the module named above; {path} keeps every metric, "
+    "`blockdiff arch MODEL` shows how sub-paths were mapped"
+)
+ADVICE_SAVED = (
+    "next: read the module named above; `blockdiff report {path} --html PATH` keeps it as a page, "
     "`blockdiff arch MODEL` shows how sub-paths were mapped"
 )
 
@@ -99,7 +110,7 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
     if first is None:
         console.print("[bold green]No divergence[/]: every local error is within tolerance.", highlight=False)
     else:
-        console.print(f"[bold red]First divergence[/]: {escape(first.headline())}", highlight=False)
+        console.print(f"[bold red]First divergence[/]: {escape(headline(first))}", highlight=False)
         if first.subpath == UNATTRIBUTED:
             position = view.column_of(first)
             unmapped = [] if position is None else view.columns[position].unmapped
@@ -122,10 +133,12 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
         console.print(table)
     for table in _moe_tables(view.moe, console.width) if view.moe else []:
         console.print(table)
+    if view.moe:
+        console.print(MOE_COUNTS, style="dim", highlight=False)
     if len(view.divergences) > 1:
         console.print(f"{len(view.divergences)} divergent sites:", highlight=False)
         for d in view.divergences:
-            console.print(f"  - {escape(d.headline())}", highlight=False)
+            console.print(f"  - {escape(headline(d))}", highlight=False)
     if first is not None and advice is not None:
         console.print(advice, style="dim", highlight=False)
 
