@@ -9,7 +9,10 @@ the same. The rules are documented in ``docs/hook-maps.md``, "Auto-detection".
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 from .errors import HookMapError
@@ -23,6 +26,16 @@ _NORM_NAME = re.compile(r"norm|(^|_)ln($|_|\d)")
 _ATTENTION_WORDS = ("attn", "attention")
 _FFN_WORDS = ("mlp", "ffn", "feed_forward", "feedforward", "experts", "moe")
 _CONTEXT_WORDS = ("rotary", "rope")
+# Children of a token mixer that project to queries, keys and values: one fused projection
+# (``qkv``), or one each of q, k and v under any of these spellings.
+_QKV_FUSED = {"qkv", "qkv_proj", "wqkv", "c_attn", "in_proj", "to_qkv", "query_key_value"}
+_QKV_SPLIT = (
+    {"q", "q_proj", "wq", "query", "to_q"},
+    {"k", "k_proj", "wk", "key", "to_k"},
+    {"v", "v_proj", "wv", "value", "to_v"},
+)
+# Positions of the probes' inputs: enough for a mixed position to show, cheap on any model.
+_PROBE_POSITIONS = 4
 
 
 def _role(path: str, module: nn.Module) -> str | None:
@@ -71,10 +84,13 @@ def _block_lists(model: nn.Module) -> list[str]:
     return [path for path, other, _ in top if other is cls]
 
 
-def _classify_block(block: nn.Module, opened: set[str]) -> dict[str, str]:
+def _classify_block(block: nn.Module, opened: set[str], probed: dict[tuple[str, type], bool]) -> dict[str, str]:
     """Relative path → role of the block's attention, FFN and norm modules: a module whose
     role is recognised is taken whole (its children belong to it); others, and those in
-    ``opened``, are searched inside."""
+    ``opened``, are searched inside. A module with parameters in which nothing is
+    recognised is a token mixer (attention) when it does what one does (:func:`_mixes_tokens`);
+    ``probed`` keeps that answer per path and class, so every block of one class agrees
+    and each is probed once."""
     found: dict[str, str] = {}
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -83,11 +99,84 @@ def _classify_block(block: nn.Module, opened: set[str]) -> dict[str, str]:
             role = None if rel in opened else _role(rel, child)
             if role is not None:
                 found[rel] = role
-            else:
-                visit(rel + ".", child)
+                continue
+            before = len(found)
+            visit(rel + ".", child)
+            if rel in opened or len(found) > before or not _has_parameters(child):
+                continue
+            key = (rel, type(child))
+            if key not in probed:
+                probed[key] = _mixes_tokens(child)
+            if probed[key]:
+                found[rel] = "attention"
 
     visit("", block)
     return found
+
+
+def _mixes_tokens(module: nn.Module) -> bool:
+    """Whether an unnamed module is a token mixer: its output at one position changes with
+    the input at another (run alone on a random ``[1, T, D]`` input, ``D`` read from its
+    first projection); or, where it cannot run alone (it needs masks or rotary tables), its
+    children project to queries, keys and values: a fused ``qkv``-like child, children
+    named q, k and v, or a ``Linear`` with three times as many outputs as inputs."""
+    width = next((m.in_features for m in module.modules() if isinstance(m, nn.Linear)), None)
+    if width is None:
+        width = next((p.shape[-1] for p in module.parameters() if p.dim() >= 1), None)
+    tensor = next(module.parameters())
+    x = torch.randn(1, _PROBE_POSITIONS, width or 1, generator=torch.Generator().manual_seed(0))
+    x = x.to(tensor.device, tensor.dtype) if tensor.is_floating_point() else x.to(tensor.device)
+    first, last = x.clone(), x.clone()
+    first[:, 0] += 1
+    last[:, -1] += 1
+    outputs = _probe(module, x, first, last)
+    if outputs is not None and outputs[0].shape[:2] == x.shape[:2]:
+        y, y_first, y_last = (out.float() for out in outputs)
+        # Causal mixers carry the first position forward, bidirectional ones the last back too.
+        return not (
+            torch.allclose(y[:, 1:], y_first[:, 1:], rtol=1e-3, atol=1e-5)
+            and torch.allclose(y[:, :-1], y_last[:, :-1], rtol=1e-3, atol=1e-5)
+        )
+    names = {name.lower() for name, _ in module.named_children()}
+    if names & _QKV_FUSED or all(names & spelled for spelled in _QKV_SPLIT):
+        return True
+    return any(
+        isinstance(child, nn.Linear) and child.out_features == 3 * child.in_features for child in module.children()
+    )
+
+
+def _probe(module: nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor] | None:
+    """``module`` called on each input alone (eval mode, no grad, the RNG untouched); the
+    first tensor of each output, or ``None`` when it cannot run so (it needs other
+    arguments, another shape, a device it is not on) or returns no floating tensor."""
+    outputs = []
+    with _quiet(module):
+        for x in inputs:
+            try:
+                out = module(x)
+            except Exception:  # the model's own code: any failure means "cannot be probed"
+                return None
+            while isinstance(out, (tuple, list)) and out:
+                out = out[0]
+            if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+                return None
+            outputs.append(out)
+    return outputs
+
+
+@contextmanager
+def _quiet(module: nn.Module) -> Iterator[None]:
+    """Run a probe in eval mode (no dropout), without autograd, with the global RNG state
+    restored afterwards, and the module's training flags as they were."""
+    modes = {m: m.training for m in module.modules()}
+    devices = [t.device.index or 0 for t in module.parameters() if t.device.type == "cuda"][:1]
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            module.eval()
+            yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
 
 
 def _classify_blocks(blocks: list[nn.Module]) -> list[dict[str, str]]:
@@ -99,8 +188,9 @@ def _classify_blocks(blocks: list[nn.Module]) -> list[dict[str, str]]:
     taken in the other block, is searched inside everywhere instead, until all agree."""
     names = [{rel for rel, _ in b.named_modules() if rel} for b in blocks]
     opened: set[str] = set()
+    probed: dict[tuple[str, type], bool] = {}
     while True:
-        found = [_classify_block(b, opened) for b in blocks]
+        found = [_classify_block(b, opened, probed) for b in blocks]
         conflicts: set[str] = set()
         for here in found:
             for rel, role in here.items():
@@ -121,11 +211,15 @@ def detect(model: nn.Module) -> HookMap:
     The block list is the longest ModuleList/Sequential of same-class modules; inside a
     block, modules are sorted into attention (``attn``/``attention``), ffn
     (``mlp``/``ffn``/``feed_forward``/``experts``/``moe``) and norm (``norm`` classes and
-    names, ``ln_*``) by their names and classes; outside the blocks, ``nn.Embedding``
-    modules are the embedding, a ``rotary``/``rope`` module the context, norms registered
-    after a block list the final norm, and a ``Linear`` whose ``out_features`` is the
-    vocabulary the head. The result has ``source == "auto-detected"``; check it with
-    ``blockdiff arch`` before trusting a diff.
+    names, ``ln_*``) by their names and classes, and a module none of these name is
+    attention when it mixes positions or projects to q/k/v (:func:`_mixes_tokens`);
+    outside the blocks, ``nn.Embedding`` modules and modules that look token ids up
+    (``[B, T]`` integers to ``[B, T, D]``) are the embedding, a ``rotary``/``rope`` module
+    the context, norms registered after a block list the final norm, and a ``Linear``
+    whose ``out_features`` is the vocabulary, or a module after the blocks mapping
+    ``[.., D]`` to ``[.., vocab]``, the head. Detection runs a few modules alone on small
+    probe inputs (eval mode, no grad, the RNG state kept). The result has
+    ``source == "auto-detected"``; check it with ``blockdiff arch`` before trusting a diff.
 
     Raises:
         HookMapError: no block list, or blocks with neither attention nor FFN modules;
@@ -155,7 +249,8 @@ def detect(model: nn.Module) -> HookMap:
         block_cls = type(next(modules[lists[0]].children())).__name__
         raise HookMapError(
             hint + f"the blocks in {lists[0] or 'the model'} ({block_cls}) have no module named or "
-            "typed like attention (attn, attention) or a feed-forward (mlp, ffn, feed_forward, experts)",
+            "typed like attention (attn, attention) or a feed-forward (mlp, ffn, feed_forward, experts), "
+            "nor one that mixes positions or projects to q/k/v",
             source=AUTO_DETECTED,
         )
     # A module some blocks lack (cross-attention in an encoder block) is optional.
@@ -166,8 +261,13 @@ def detect(model: nn.Module) -> HookMap:
 
     order = {path: i for i, path in enumerate(modules)}
     first_block = min(order[p] for p in lists)
+    # Modules outside the blocks that do not hold them (the root does), in registration order.
+    around = {
+        p: m for p, m in modules.items() if p and not inside_blocks(p) and not any(b.startswith(p + ".") for b in lists)
+    }
     outside: dict[str, list[str]] = {}
-    embeds = [p for p, m in modules.items() if isinstance(m, nn.Embedding) and p and not inside_blocks(p)]
+    lookups = _lookups({p: m for p, m in around.items() if order[p] < first_block})
+    embeds = [p for p, m in around.items() if isinstance(m, nn.Embedding) or p in lookups]
     if embeds:
         outside["embed"] = embeds
 
@@ -175,24 +275,21 @@ def detect(model: nn.Module) -> HookMap:
         words = (path.rsplit(".", 1)[-1].lower(), type(module).__name__.lower())
         return any(w in text for w in _CONTEXT_WORDS for text in words)
 
-    context = [p for p, m in modules.items() if p and not inside_blocks(p) and contextual(p, m)]
+    context = [p for p, m in around.items() if contextual(p, m)]
     if context:
         outside["context"] = context
-    norms = [
-        p
-        for p, m in modules.items()
-        if p and not inside_blocks(p) and order[p] > first_block and _role(p, m) == "norm"
-    ]
+    norms = [p for p, m in around.items() if order[p] > first_block and _role(p, m) == "norm"]
     if norms:
         outside["final_norm"] = norms
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    token_embeds = [modules[p] for p in embeds]
-    if vocab is None and token_embeds:
-        vocab = max(m.num_embeddings for m in token_embeds)
+    vocab = _vocab_size(model)
+    if vocab is None and embeds:
+        vocab = max(lookups[p][0] if p in lookups else modules[p].num_embeddings for p in embeds)
+    width = next((lookups[p][1] if p in lookups else modules[p].embedding_dim for p in embeds), None)
     heads = [
         p
-        for p, m in modules.items()
-        if isinstance(m, nn.Linear) and vocab is not None and m.out_features == vocab and not inside_blocks(p)
+        for p, m in around.items()
+        if vocab is not None
+        and (m.out_features == vocab if isinstance(m, nn.Linear) else order[p] > first_block and _projects_to(m, width, vocab))
     ]
     if heads:
         outside["head"] = heads[-1:]
@@ -206,3 +303,58 @@ def detect(model: nn.Module) -> HookMap:
         subpaths={k: tuple(v) for k, v in subpaths.items()},
         description=f"guessed from the module tree of {cls_name}",
     )
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """The vocabulary the model's configuration states: Hugging Face ``config.vocab_size``,
+    TransformerLens ``cfg.d_vocab``."""
+    for holder, name in (("config", "vocab_size"), ("cfg", "d_vocab")):
+        value = getattr(getattr(model, holder, None), name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _role_candidates(modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """Modules that may be an embedding or a head by their role although they are no
+    ``nn.Embedding`` or ``nn.Linear``: a 2-D parameter of their own, no norm, not inside
+    another candidate."""
+    chosen: dict[str, nn.Module] = {}
+    for path, module in modules.items():
+        if isinstance(module, (nn.Embedding, nn.Linear)) or _role(path, module) == "norm":
+            continue
+        if any(path.startswith(p + ".") for p in chosen):
+            continue
+        if any(p.dim() == 2 for p in module.parameters(recurse=False)):
+            chosen[path] = module
+    return chosen
+
+
+def _lookups(modules: dict[str, nn.Module]) -> dict[str, tuple[int, int]]:
+    """Path → (rows, width) of the modules among ``modules`` (those registered before the
+    blocks) that are embeddings by their role: run alone on integer token ids ``[1, T]``
+    they return ``[1, T, D]``, ``D`` the last dimension of a 2-D parameter of theirs with
+    ``rows`` rows (TransformerLens's ``Embed``, ``W_E`` [vocab, d], and ``PosEmbed``)."""
+    found: dict[str, tuple[int, int]] = {}
+    for path, module in _role_candidates(modules).items():
+        weight = next(p for p in module.parameters(recurse=False) if p.dim() == 2)
+        ids = torch.zeros(1, _PROBE_POSITIONS, dtype=torch.long, device=weight.device)
+        outputs = _probe(module, ids)
+        if outputs is not None and tuple(outputs[0].shape) == (1, _PROBE_POSITIONS, weight.shape[-1]):
+            found[path] = (int(weight.shape[0]), int(weight.shape[-1]))
+    return found
+
+
+def _projects_to(module: nn.Module, width: int | None, vocab: int) -> bool:
+    """Whether ``module`` is a head by its role: it holds a 2-D parameter of shape
+    ``[width, vocab]`` or ``[vocab, width]`` (TransformerLens's ``Unembed``, ``W_U``
+    [d, vocab]) and maps a ``[1, T, width]`` hidden state to ``[1, T, vocab]``."""
+    if isinstance(module, (nn.Embedding, nn.Linear)) or not _role_candidates({"": module}):
+        return False
+    weight = next(p for p in module.parameters(recurse=False) if p.dim() == 2)
+    if vocab not in weight.shape or (width is not None and width not in weight.shape):
+        return False
+    width = width or int(weight.shape[0] if weight.shape[1] == vocab else weight.shape[1])
+    x = torch.randn(1, _PROBE_POSITIONS, width, generator=torch.Generator().manual_seed(0))
+    outputs = _probe(module, x.to(weight.device, weight.dtype if weight.is_floating_point() else x.dtype))
+    return outputs is not None and tuple(outputs[0].shape) == (1, _PROBE_POSITIONS, vocab)

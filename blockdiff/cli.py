@@ -1,8 +1,12 @@
 """The ``blockdiff`` command: a thin front door that parses options and calls the library.
 
-Exit codes: 0 no divergence, 1 divergence found, 2 usage or input error (one line on
-stderr; the traceback only with ``--debug``), 3 an internal error of blockdiff (one line
-naming the file that holds the traceback), 130 interrupted.
+Exit codes: 0 no divergence (and ``blockdiff`` alone, which prints the help), 1 divergence
+found, 2 usage or input error (one line on stderr, and for a usage error a second line
+naming the ``--help`` to read; the traceback only with ``--debug``), 3 an internal error of
+blockdiff (one line naming the file that holds the traceback), 130 interrupted.
+
+A diff's stdout carries the report alone; where it wrote or replaced files (``--json``,
+``--plot``, ``--html``, ``--save-dumps``) is said on stderr, one line each (not with ``-q``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, Callable
 import click
 from rich.console import Console
 
-from .errors import BlockdiffError
+from .errors import BlockdiffError, ModelRunError, ModelSpecError
 
 EXIT_DIVERGED = 1
 EXIT_ERROR = 2
@@ -24,6 +28,9 @@ EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
 
 _state = {"debug": bool(os.environ.get("BLOCKDIFF_DEBUG"))}
+# click >= 8.2 raises this for a group called without a command (older ones print the help
+# and exit 0 themselves).
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
 def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
@@ -43,11 +50,25 @@ def debug_option(fn: Callable) -> Callable:
     )(fn)
 
 
-def _fail(message: str, exc: BaseException | None = None) -> None:
+def _fail(message: str, exc: BaseException | None = None, *, hint: str | None = None) -> None:
+    """``Error: message`` on stderr, ``hint`` (what to read) on a line of its own; exit 2.
+    An error raised by the user's code (a factory, an import, a model's forward) says
+    where its traceback is to be had."""
     if _state["debug"] and exc is not None:
         traceback.print_exception(exc)
+    user_code = isinstance(exc, (ModelSpecError, ModelRunError)) and isinstance(exc.__cause__, Exception)
+    if user_code and not _state["debug"] and not isinstance(exc.__cause__, BlockdiffError):
+        message += " (add --debug for the traceback)"
     click.echo(f"Error: {message}", err=True)
+    if hint:
+        click.echo(hint, err=True)
     sys.exit(EXIT_ERROR)
+
+
+def _said(message: str) -> None:
+    """A line about what was done (a file written or replaced): stderr, so that stdout
+    keeps the report alone."""
+    click.echo(message, err=True)
 
 
 def _console() -> Console:
@@ -213,6 +234,9 @@ def diff_command(
             return spec
         return partial(build_model, spec, device=device, dtype=dtype)
 
+    # --save-dumps writes these two; the ones there already are replaced, and said so.
+    kept = [os.path.join(save_dumps, f"{name}.h5") for name in ("reference", "candidate")] if save_dumps else []
+    replaced = {path for path in kept if os.path.exists(path)}
     # A missing CANDIDATE builds the reference's spec again, in the candidate's device and dtype.
     cand_spec = candidate if candidate is not None or is_dump(reference) else reference
     report = engine.run(
@@ -230,40 +254,55 @@ def diff_command(
             stream=stream,
         ),
     )
+    _stop_progress()
+    if save_dumps and not quiet:
+        for path in kept:
+            _said(f"{'replaced' if path in replaced else 'wrote'} {path}")
     _emit(report, json_path=json_path, quiet=quiet, plot_path=plot_path, html_path=html_path)
 
 
-def _write(what: str, path: str, write: Callable[[], None]) -> None:
+def _write(what: str, path: str, write: Callable[[], None], *, quiet: bool = False) -> None:
+    """``write()`` the ``what`` to ``path``, then say so on stderr (unless ``quiet``)."""
     try:
         write()
     except OSError as exc:
         raise BlockdiffError(f"cannot write the {what} to {path}: {exc.strerror or exc}") from None
+    if not quiet:
+        _said(f"wrote {path} ({what})")
 
 
-def _pictures(report: Any, *, plot_path: str | None, html_path: str | None) -> None:
+def _pictures(report: Any, *, plot_path: str | None, html_path: str | None, quiet: bool = False) -> None:
     if plot_path:
         from .plot import write_png
 
-        _write("PNG", plot_path, lambda: write_png(report, plot_path))
+        _write("PNG", plot_path, lambda: write_png(report, plot_path), quiet=quiet)
     if html_path:
         from .html import write_html
 
-        _write("HTML report", html_path, lambda: write_html(report, html_path))
+        _write("HTML report", html_path, lambda: write_html(report, html_path), quiet=quiet)
+
+
+def _advice(*, json_path: str | None) -> str:
+    """The report's closing line, for what this run did not write already."""
+    from .render import ADVICE, ADVICE_JSON_WRITTEN
+
+    return ADVICE if json_path is None else ADVICE_JSON_WRITTEN.format(path=json_path)
 
 
 def _emit(report, *, json_path: str | None, quiet: bool, plot_path: str | None = None, html_path: str | None = None) -> None:
-    """Write the JSON report and pictures, print the report, exit 1 on divergence."""
+    """Write the JSON report and pictures (each said on stderr, but with ``quiet``), print
+    the report, exit 1 on divergence."""
     from .render import render
+    from .view import headline
 
-    _stop_progress()
     if json_path:
-        _write("JSON report", json_path, lambda: report.write_json(json_path))
-    _pictures(report, plot_path=plot_path, html_path=html_path)
+        _write("JSON report", json_path, lambda: report.write_json(json_path), quiet=quiet)
+    _pictures(report, plot_path=plot_path, html_path=html_path, quiet=quiet)
     if quiet:
         first = report.first_divergence
-        click.echo("no divergence" if first is None else f"first divergence: {first.headline()}")
+        click.echo("no divergence" if first is None else f"first divergence: {headline(first)}")
     else:
-        render(report, _console())
+        render(report, _console(), advice=_advice(json_path=json_path))
     sys.exit(EXIT_DIVERGED if report.diverged else 0)
 
 
@@ -273,29 +312,33 @@ def _emit(report, *, json_path: str | None, quiet: bool, plot_path: str | None =
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write the self-contained HTML report.")
 @debug_option
 def report_command(report_path: str, plot_path: str | None, html_path: str | None) -> None:
-    """Render a saved JSON report (from `blockdiff diff --json`) as a PNG and/or HTML.
+    """Show a saved JSON report (from `blockdiff diff --json`) in the terminal, or write it
+    as a PNG and/or HTML.
 
     \b
     Examples:
+      blockdiff report report.json
       blockdiff report report.json --plot report.png --html report.html
     """
     import json
     from pathlib import Path
 
-    if not plot_path and not html_path:
-        raise click.UsageError("nothing to write: give --plot PATH.png and/or --html PATH")
     try:
         data = json.loads(Path(report_path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BlockdiffError(f"{report_path}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BlockdiffError(f"{report_path}: not a JSON report ({exc})") from None
+    if not plot_path and not html_path:
+        from .render import ADVICE_SAVED, render
+
+        render(data, _console(), advice=ADVICE_SAVED.format(path=report_path))
+        return
     if plot_path:
         from .plot import require_matplotlib
 
         require_matplotlib()
     _pictures(data, plot_path=plot_path, html_path=html_path)
-    click.echo("wrote " + " and ".join(p for p in (plot_path, html_path) if p))
 
 
 @cli.command("capture")
@@ -474,9 +517,12 @@ def main(argv: list[str] | None = None) -> Any:
     except click.exceptions.Abort:
         click.echo("Interrupted.", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    except _NO_ARGS as exc:  # `blockdiff` alone: the help, not an error
+        click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
+        sys.exit(0)
     except click.UsageError as exc:
         where = exc.ctx.command_path if exc.ctx is not None else "blockdiff"
-        _fail(f"{exc.format_message()} Try '{where} --help'.", exc)
+        _fail(exc.format_message(), exc, hint=f"Try '{where} --help'.")
     except click.ClickException as exc:
         _fail(exc.format_message(), exc)
     except BlockdiffError as exc:

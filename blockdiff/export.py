@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,13 @@ def _digest(t: torch.Tensor) -> str:
     flat = t.detach().contiguous().reshape(-1)
     data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     return hashlib.sha256(f"{t.dtype}{list(t.shape)}".encode() + data).hexdigest()
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, and setting it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _file_digest(path: Path) -> str:
@@ -68,6 +76,8 @@ def export_safetensors(dump_path: str | Path, out: str | Path) -> dict[str, Any]
     metadata = {"format": "blockdiff.export", "source": str(dump_path), **{k: str(v) for k, v in source_meta.items()}}
     try:
         save_file(tensors, str(out), metadata=metadata)
+        # safetensors creates the file 0600; like the manifest, it follows the umask.
+        os.chmod(out, 0o666 & ~_umask())
     except OSError as exc:
         raise DumpError(f"cannot write {out}: {exc.strerror or exc}", path=str(out)) from None
     manifest = {

@@ -103,11 +103,14 @@ def load_tokens(path: str | Path) -> torch.Tensor:
     ``input_ids``.
 
     Raises:
-        InputError: missing file, other format, wrong dtype or shape.
+        InputError: missing file, not a regular file, other format, wrong dtype or shape.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise InputError(f"token file {path}: no such file")
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file (a device, pipe or socket)"
+        raise InputError(f"token file {path}: {kind}; expected a .json or .safetensors file")
     if path.suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

@@ -12,6 +12,7 @@ A spec may also be a local Hugging Face model: a directory written by ``save_pre
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import sys
@@ -65,11 +66,8 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
         return hf
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr or not attr.isidentifier():
-        raise ModelSpecError(
-            f"model spec {spec!r}: expected path/to/file.py:factory or package.module:factory, "
-            "a Hugging Face model directory or a config.json",
-            spec=spec,
-        )
+        _refuse_weights(spec)
+        raise ModelSpecError(f"model spec {spec!r}: expected {ACCEPTED}", spec=spec)
     if target.endswith(".py") or "/" in target or "\\" in target:
         module = _import_file(Path(target), spec)
     else:
@@ -79,10 +77,40 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
             raise ModelSpecError(f"model spec {spec!r}: cannot import {target} ({exc})", spec=spec) from None
     factory = getattr(module, attr, None)
     if factory is None:
-        raise ModelSpecError(f"model spec {spec!r}: {target} has no attribute {attr!r}", spec=spec)
+        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+        close = difflib.get_close_matches(attr, names, n=3)
+        guess = f"; did you mean {' or '.join(repr(n) for n in close)}?" if close else ""
+        raise ModelSpecError(f"model spec {spec!r}: {target} has no attribute {attr!r}{guess}", spec=spec)
     if not callable(factory):
         raise ModelSpecError(f"model spec {spec!r}: {attr} is a {type(factory).__name__}, not callable", spec=spec)
     return factory
+
+
+# What a model spec may be, as the errors say it.
+ACCEPTED = (
+    "path/to/file.py:factory or package.module:factory (a callable returning an nn.Module), "
+    "a Hugging Face model directory or a config.json"
+)
+# Files that hold weights (or a pickled model), not code blockdiff can call.
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".gguf", ".npz", ".onnx")
+
+
+def _refuse_weights(spec: str) -> None:
+    """A checkpoint given as a model is refused with how to wrap it in a factory.
+
+    Raises:
+        ModelSpecError: ``spec`` names a weights file (by its suffix), or an existing file
+            that is no Python source.
+    """
+    path = Path(spec)
+    if path.suffix.lower() in WEIGHT_SUFFIXES or (path.is_file() and path.suffix != ".py"):
+        raise ModelSpecError(
+            f"model spec {spec!r}: a checkpoint holds weights, not a model; expected {ACCEPTED}, or an HDF5 "
+            "dump. Wrap the checkpoint in a factory that builds the model and loads the weights into it, e.g. "
+            f"in build.py: def build(): model = MyModel(); model.load_state_dict(torch.load({spec!r}, "
+            "weights_only=True)); return model -- then pass build.py:build",
+            spec=spec,
+        )
 
 
 def _hugging_face_factory(spec: str) -> Callable[[], nn.Module] | None:

@@ -30,11 +30,12 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .hookmap import Layout
+from .hookmap import AUTO_DETECTED, Layout
 from .report import Report
 from .view import (
     LEGEND,
     MOE_COLUMNS,
+    MOE_COUNTS,
     ROWS,
     SYMBOLS,
     WHOLE,
@@ -42,6 +43,7 @@ from .view import (
     MoeRow,
     View,
     fmt,
+    headline,
     level,
 )
 from .vocab import SUBPATHS, UNATTRIBUTED
@@ -51,6 +53,18 @@ ADVICE = (
     "next: read the module named above; `--json PATH` keeps every metric, "
     "`blockdiff arch MODEL` shows how sub-paths were mapped"
 )
+# ... when the JSON report was written already (``path`` is where), or is what was shown.
+ADVICE_JSON_WRITTEN = (
+    "next: read the module named above; {path} keeps every metric, "
+    "`blockdiff arch MODEL` shows how sub-paths were mapped"
+)
+ADVICE_SAVED = (
+    "next: read the module named above; `blockdiff report {path} --html PATH` keeps it as a page, "
+    "`blockdiff arch MODEL` shows how sub-paths were mapped"
+)
+
+# What to do when a module belongs to no sub-path, or detection missed one.
+HOOKS_FIX = "write a hook map (docs/hook-maps.md) and pass it with --hooks FILE.toml"
 
 _LEVEL_STYLE = {"low": "green", "near": "yellow", "diverged": "bold red", "none": "dim"}
 
@@ -96,14 +110,14 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
     if first is None:
         console.print("[bold green]No divergence[/]: every local error is within tolerance.", highlight=False)
     else:
-        console.print(f"[bold red]First divergence[/]: {escape(first.headline())}", highlight=False)
+        console.print(f"[bold red]First divergence[/]: {escape(headline(first))}", highlight=False)
         if first.subpath == UNATTRIBUTED:
             position = view.column_of(first)
             unmapped = [] if position is None else view.columns[position].unmapped
             missing = f" ({', '.join(unmapped)} belong to no sub-path)" if unmapped else ""
             console.print(
                 "  the block diverges but no sub-path explains it: the hook map may be missing "
-                f"a module{escape(missing)}; check it with `blockdiff arch`",
+                f"a module{escape(missing)}; check it with `blockdiff arch`, then {HOOKS_FIX}",
                 highlight=False,
             )
     _heatmap(view, console)
@@ -119,10 +133,12 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
         console.print(table)
     for table in _moe_tables(view.moe, console.width) if view.moe else []:
         console.print(table)
+    if view.moe:
+        console.print(MOE_COUNTS, style="dim", highlight=False)
     if len(view.divergences) > 1:
         console.print(f"{len(view.divergences)} divergent sites:", highlight=False)
         for d in view.divergences:
-            console.print(f"  - {escape(d.headline())}", highlight=False)
+            console.print(f"  - {escape(headline(d))}", highlight=False)
     if first is not None and advice is not None:
         console.print(advice, style="dim", highlight=False)
 
@@ -299,12 +315,21 @@ def render_layout(layout: Layout, label: str, console: Console | None = None) ->
         table.add_row(str(block.index), block.path, *cells)
     console.print(table)
     unmapped = [p for b in layout.blocks for p in b.unmapped]
+    warnings = []
     if unmapped:
-        console.print(
-            f"[yellow]warning:[/] {len(unmapped)} modules with parameters belong to no sub-path "
-            f"(e.g. {escape(unmapped[0])}); their errors cannot be separated from the block's glue",
-            highlight=False,
+        warnings.append(
+            f"{len(unmapped)} modules with parameters belong to no sub-path (e.g. {unmapped[0]}); "
+            "their errors cannot be separated from the block's glue"
         )
+    lacking = [name for name in ("attention", "ffn") if not any(name in b.subpaths for b in layout.blocks)]
+    if lacking:
+        warnings.append(f"no block has {' or '.join(lacking)} modules")
+    if layout.hook_map.source == AUTO_DETECTED and not any(stage == "embed" for stage, _ in layout.outside):
+        warnings.append("no embedding was found")
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    if warnings:
+        console.print(f"  to fix: {HOOKS_FIX}", highlight=False)
 
 
 BARS = " ▁▂▃▄▅▆▇█"

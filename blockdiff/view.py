@@ -9,7 +9,8 @@ through :meth:`Report.from_dict <.report.Report.from_dict>` first) into:
   norm and head; an encoder-decoder's stages beside their own block list), each with one
   :class:`Cell` per row of :data:`ROWS` (the four sub-paths and the whole block or stage)
   and its drift;
-- the divergences, stated by :meth:`Divergence.headline <.report.Divergence.headline>`;
+- the divergences, stated by :func:`headline` (:meth:`Divergence.headline
+  <.report.Divergence.headline>`, the part of an MoE ffn in words);
 - :class:`MoeRow`: the routing table of an MoE report, its numbers formatted once.
 
 What a cell says, its heatmap level and symbol (:func:`level`, :data:`SYMBOLS`), the
@@ -33,6 +34,7 @@ from .vocab import SUBPATHS
 __all__ = [
     "LEGEND",
     "MOE_COLUMNS",
+    "MOE_COUNTS",
     "ROWS",
     "SPARKS",
     "SYMBOLS",
@@ -43,6 +45,7 @@ __all__ = [
     "View",
     "drop_rate",
     "fmt",
+    "headline",
     "level",
     "ratio_colour",
     "sparkline",
@@ -64,6 +67,31 @@ RATIO_RANGE = (1e-3, 1e3)
 RATIO_COLOURS = ((0.0, "#1a9850"), (0.45, "#c7e9a0"), (0.5, "#fee08b"), (0.56, "#fdae61"), (1.0, "#a50026"))
 
 MOE_COLUMNS = ("block", "side", "entropy", "max load", "min load", "drops", "top-k agree", "flips", "tokens per expert")
+# What the two agreement columns count: they read different runs, so they may disagree.
+MOE_COUNTS = (
+    "top-k agree: tokens whose top-k experts are the same in both free-running models (drift "
+    "included); flips: tokens whose top-k experts change when the candidate's router reads the "
+    "reference's input (unexplained: margin beyond the precision's logit noise)"
+)
+
+
+def headline(divergence: Divergence) -> str:
+    """:meth:`Divergence.headline <.report.Divergence.headline>` with the part of an MoE
+    ffn in words: ``block 1 ffn (experts, routing frozen at the reference's) (...)``
+    where the report's JSON says part ``experts``, what ``experts (routing frozen at the
+    reference's)``.
+
+    >>> headline(first)  # doctest: +SKIP
+    "block 1 ffn (router weights, tokens whose top-k agree) (blocks.1.ffn.router): rel_l2 ..."
+    """
+    text = divergence.headline()
+    part, what = divergence.check.part, divergence.check.what
+    if part is None:
+        return text
+    words = what.replace(" (", ", ").removesuffix(")") if what.endswith(")") else what
+    if not words.startswith(part):
+        words = f"{part}: {words}"
+    return text.replace(f" [{part}: {what}]", f" ({words})", 1)
 
 
 def level(ratio: float | None, diverged: bool, status: str = "checked") -> str:

@@ -41,6 +41,8 @@ def factories(tmp_path: Path) -> Path:
         'name = "x"\n[blocks]\npath = "blocks"\n[blocks.subpaths]\nattention = "self_attn"\n'
     )
     (tmp_path / "empty.json").write_text("[[]]")
+    (tmp_path / "weights.pt").write_bytes(b"PK\x03\x04 a zipped state dict")
+    (tmp_path / "weights.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     import h5py
     import torch
     from safetensors.torch import save_file
@@ -68,9 +70,12 @@ def factories(tmp_path: Path) -> Path:
 BAD_INPUTS = [
     (["diff", "nope.py:build"], "no such file nope.py"),
     (["diff", "samples/tinylm.py:nope"], "has no attribute 'nope'"),
+    (["diff", "samples/tinylm.py:biuld"], "samples/tinylm.py has no attribute 'biuld'; did you mean 'build'?"),
+    (["diff", "{tmp}/weights.pt"], "a checkpoint holds weights, not a model; expected path/to/file.py:factory"),
+    (["arch", "{tmp}/weights.safetensors"], "model.load_state_dict(torch.load("),
     (["diff", "samples/tinylm.py"], "expected path/to/file.py:factory"),
     (["diff", "no_such_package_xyz.models:build"], "cannot import no_such_package_xyz.models"),
-    (["diff", SAMPLE, "{tmp}/factories.py:raises"], "the factory raised ValueError: weights file is corrupt"),
+    (["diff", SAMPLE, "{tmp}/factories.py:raises"], "the factory raised ValueError: weights file is corrupt (add --debug for the traceback)"),
     (["diff", SAMPLE, "{tmp}/factories.py:not_a_module"], "the factory returned a int, expected a torch nn.Module"),
     (["diff", SAMPLE, "{tmp}/factories.py:NOT_CALLABLE"], "NOT_CALLABLE is a int, not callable"),
     (["diff", SAMPLE, "{tmp}/factories.py:three_blocks"], "the reference has 4 blocks and the candidate 3"),
@@ -80,6 +85,7 @@ BAD_INPUTS = [
     (["diff", SAMPLE, "--tokens", "{tmp}/big_ids.json"], "token ids out of range for the reference's vocabulary of 256: found ids from 1 to 999"),
     (["diff", SAMPLE, "--tokens", "{tmp}/ragged.json"], "rows have different lengths"),
     (["diff", SAMPLE, "--tokens", "{tmp}/absent.json"], "no such file"),
+    (["diff", SAMPLE, "--tokens", "/dev/null"], "token file /dev/null: not a regular file"),
     (["diff", SAMPLE, "--seq", "0"], "--seq must be at least 1, found 0"),
     (["diff", SAMPLE, "--batch", "0"], "--batch must be at least 1, found 0"),
     (["diff", SAMPLE, "--tol", "ffn"], "expected SUBPATH=VALUE"),
@@ -90,7 +96,7 @@ BAD_INPUTS = [
     (["diff", SAMPLE, "--hooks", "{tmp}/missing_module.toml"], "attention module 'blocks.0.self_attn' does not exist in TinyLM"),
     (["diff", SAMPLE, "--hooks", "{tmp}/none.toml"], "no such file"),
     (["diff", SAMPLE, "--json", "{tmp}/no/such/dir/report.json"], "cannot write the JSON report"),
-    (["diff", SAMPLE, "--frobnicate"], "--frobnicate'. Try 'blockdiff diff --help'."),
+    (["diff", SAMPLE, "--frobnicate"], "No such option '--frobnicate'."),
     (["diff"], "Missing argument 'REFERENCE'"),
     (["diff", SAMPLE, "--tokens", "{tmp}/empty.json"], "empty.json: holds no tokens"),
     (["diff", SAMPLE, "--tokens", "{tmp}/wrong_key.safetensors"], "expected a tensor named 'input_ids', found ['ids']"),
@@ -104,25 +110,33 @@ BAD_INPUTS = [
     (["inspect", "{tmp}/incomplete.h5"], "is incomplete (the capture did not finish)"),
     (["inspect", "{tmp}/absent.h5"], "absent.h5: no such file"),
     (["export", "{tmp}/absent.h5", "{tmp}/out.safetensors"], "no such file"),
-    (["capture", SAMPLE, "--out", "{tmp}/no/such/dir/x.h5"], "cannot create the dump"),
+    (["capture", SAMPLE, "--out", "{tmp}/no/such/dir/x.h5"], "x.h5: cannot create the dump: the folder {tmp}/no/such/dir does not exist"),
+    (["capture", SAMPLE, "--out", "{tmp}/good.h5/x.h5"], "cannot create the dump: {tmp}/good.h5 is not a folder"),
     (["report", "{tmp}/absent.json", "--html", "{tmp}/r.html"], "absent.json: no such file"),
     (["report", "{tmp}/report.json", "--html", "{tmp}/r.html"], "not a JSON report"),
-    (["report", "{tmp}/report.json"], "nothing to write"),
     (["arch", "torch.nn:Linear"], "the factory raised TypeError"),
     (["arch", "torch.nn:Identity"], "no hook map matches model class Identity; write one and pass it with --hooks"),
 ]
 
 
+# Errors in the command line itself (click's usage errors): the help to read follows the
+# error on a line of its own.
+USAGE_ERRORS = ("Error: Invalid value for", "Error: No such option", "Error: Missing argument")
+
+
 @pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a)[:60] for a, _ in BAD_INPUTS])
 def test_bad_input_gets_one_line_and_exit_2(args, message, factories, capsys):
     args = [a.replace("{tmp}", str(factories)) for a in args]
+    message = message.replace("{tmp}", str(factories))
     code, out, err = run_cli(args, capsys)
     assert code == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1, err
+    usage = lines[0].startswith(USAGE_ERRORS)
+    assert lines[1:] == ([f"Try 'blockdiff {args[0]} --help'."] if usage else []), err
     assert lines[0].startswith("Error: ")
     assert message in lines[0]
     assert "Traceback" not in err + out
+    assert "errno" not in err and ".tmp-" not in err  # no libhdf5 internals
 
 
 def test_cuda_asked_for_where_there_is_none(capsys):
@@ -230,3 +244,48 @@ def test_progress_is_reported_per_block(ids):
         PROGRESS.reset(token)
     for what in ("capture reference", "capture candidate", "localize"):
         assert [(d, t) for w, d, t in seen if w == what] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+
+
+def test_bare_blockdiff_prints_the_help_alone(capsys):
+    code, out, err = run_cli([], capsys)
+    assert code == 0 and err == ""
+    assert out.startswith("Usage: blockdiff [OPTIONS] COMMAND [ARGS]...")
+    assert "Commands:" in out and "Error" not in out
+
+
+def test_a_diff_says_on_stderr_what_it_wrote_and_replaced(tmp_path, capsys):
+    paths = {"json": tmp_path / "r.json", "html": tmp_path / "r.html"}
+    args = ["diff", SAMPLE, "samples/bugs.py:gelu_for_silu", "--json", str(paths["json"]), "--html", str(paths["html"])]
+    code, out, err = run_cli([*args, "--save-dumps", str(tmp_path / "kept")], capsys)
+    assert code == 1
+    kept = [tmp_path / "kept" / f"{side}.h5" for side in ("reference", "candidate")]
+    assert err.splitlines() == [
+        f"wrote {kept[0]}", f"wrote {kept[1]}", f"wrote {paths['json']} (JSON report)", f"wrote {paths['html']} (HTML report)",
+    ]
+    assert "First divergence: block 1 ffn" in out and "wrote" not in out
+    # The closing line points at the JSON just written, not at `--json PATH`.
+    assert f"next: read the module named above; {paths['json']} keeps every metric" in " ".join(out.split())
+    assert "--json PATH" not in out
+    code, out, err = run_cli([*args, "--save-dumps", str(tmp_path / "kept"), "-q"], capsys)
+    assert code == 1 and err == "" and out.startswith("first divergence: block 1 ffn")
+    code, out, err = run_cli(["diff", SAMPLE, "samples/bugs.py:gelu_for_silu", "--save-dumps", str(tmp_path / "kept")], capsys)
+    assert err.splitlines() == [f"replaced {kept[0]}", f"replaced {kept[1]}"]
+    assert "`--json PATH` keeps every metric" in " ".join(out.split())
+
+
+def test_report_alone_shows_the_saved_report_in_the_terminal(tmp_path, gelu_report, capsys):
+    saved = tmp_path / "bug.json"
+    gelu_report.write_json(saved)
+    code, out, err = run_cli(["report", str(saved)], capsys)
+    assert code == 0 and err == ""
+    text = " ".join(out.split())
+    assert "First divergence: block 2 ffn (blocks.2.ffn)" in text
+    assert f"`blockdiff report {saved} --html PATH` keeps it as a page" in text
+    code, out, err = run_cli(["report", str(saved), "--html", str(tmp_path / "bug.html")], capsys)
+    assert code == 0 and out == "" and err.strip() == f"wrote {tmp_path / 'bug.html'} (HTML report)"
+
+
+def test_an_error_in_user_code_points_to_debug(factories, capsys):
+    code, _, err = run_cli(["diff", SAMPLE, f"{factories}/factories.py:raises", "--debug"], capsys)
+    assert code == 2
+    assert "Traceback" in err and err.strip().endswith("the factory raised ValueError: weights file is corrupt")

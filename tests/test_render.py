@@ -209,3 +209,29 @@ def test_table_rows_follow_execution_order_across_stacks():
         if words and words[0] in ("embed", "block", "final_norm", "head") and "e+" in line:
             rows.append(" ".join(words[:2]) if words[0] == "block" else words[0])
     assert rows == ["embed", "block 0", "block 1", "final_norm", "embed", "block 2", "block 3", "final_norm", "head"]
+
+
+def test_moe_headline_names_the_part_in_words_and_the_json_keeps_it(moe_report):
+    from dataclasses import replace
+
+    from blockdiff.view import MOE_COUNTS, headline
+    from blockdiff.vocab import EXPERTS, ROUTER_WEIGHTS
+
+    first = moe_report.first_divergence
+    assert first.check.what == ROUTER_WEIGHTS and first.check.part == "router"
+    own = first.headline()
+    assert headline(first) == own.replace(
+        " [router: router weights (tokens whose top-k agree)]", " (router weights, tokens whose top-k agree)"
+    )
+    experts = replace(first, check=replace(first.check, what=EXPERTS))
+    assert headline(experts).startswith("block 1 ffn (experts, routing frozen at the reference's) (")
+    console = plain(200)
+    render(moe_report, console)
+    text = output(console)
+    assert f"First divergence: {headline(first)}" in text and "[router:" not in text
+    # The table's two agreement columns are told apart, once, under it.
+    words = " ".join(text.split())
+    assert words.count(MOE_COUNTS) == 1 and words.index("top-k agree") < words.index(MOE_COUNTS)
+    # The JSON is unchanged: part and what as the report holds them.
+    data = moe_report.to_dict()["first_divergence"]
+    assert (data["part"], data["what"]) == ("router", ROUTER_WEIGHTS)

@@ -301,7 +301,9 @@ class DumpWriter:
             self._file = h5py.File(self.tmp_path, "w", libver=_LIBVER)
         except Exception as exc:
             self._stop_worker()
-            raise DumpError(f"{self.path}: cannot create the dump: {exc}", path=str(self.path)) from exc
+            raise DumpError(
+                f"{self.path}: cannot create the dump: {_why_not_created(self.path.parent, exc)}", path=str(self.path)
+            ) from exc
         try:
             for key, value in (
                 ("format", FORMAT),
@@ -513,3 +515,15 @@ def _fsync(path: Path) -> None:
         pass  # some filesystems cannot fsync a directory; the rename is still atomic
     finally:
         os.close(fd)
+
+
+def _why_not_created(folder: Path, exc: Exception) -> str:
+    """Why a file could not be created in ``folder``, in the user's words where the folder
+    explains it (libhdf5's own message names the temporary file and its internals)."""
+    if not folder.exists():
+        return f"the folder {folder} does not exist"
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    return str(exc)
