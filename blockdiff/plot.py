@@ -153,7 +153,7 @@ def _heatmap(ax: Any, cols: list[Column], first: Divergence | None, spot: tuple[
     ax.set_yticklabels(ROWS, fontsize=8)
     _ticks(ax, cols)
     ax.set_title("local error / threshold", loc="left", fontsize=10)
-    ax.set_xlabel("site (block index); grey: not needed or absent", fontsize=8)
+    ax.set_xlabel("site (block index); grey: not needed, absent or not judged", fontsize=8)
     for j, col in enumerate(cols):
         for i, row in enumerate(ROWS):
             cell = col.cells[row]

@@ -196,7 +196,7 @@ def _error_tables(view: View, width: int) -> list[Table]:
         elif view.multi_stack:
             row["site"] += f" ({column.stack})"
         rows.append(row)
-    title = "local error (rel L2) per sub-path, whole block or stage; drift of the free-running candidate"
+    title = f"{view.measured} (rel L2) per sub-path, whole block or stage; drift of the free-running candidate"
     return _fitted(title, ("site",), (*ROWS, "drift"), rows, width)
 
 
@@ -223,7 +223,7 @@ def render_heatmap(report: Report | dict[str, Any] | View, console: Console) -> 
 
     Example (no colour)::
 
-        local error / threshold: · below 0.5   o 0.5 to 1   X diverged   - not needed or absent
+        local error / threshold: · below 0.5   o 0.5 to 1   X diverged   - not needed, absent or not judged
           block      0 1 2 3
           attention  · · · ·
           ffn        · X · ·
@@ -242,7 +242,7 @@ def render_heatmap(report: Report | dict[str, Any] | View, console: Console) -> 
 
 def _heatmap(view: View, console: Console) -> None:
     label = 11
-    console.print(Text("local error / threshold: ", style="bold") + Text(LEGEND, style="dim"), highlight=False)
+    console.print(Text(f"{view.measured} / threshold: ", style="bold") + Text(LEGEND, style="dim"), highlight=False)
     blocks = view.blocks
     if blocks:
         spark = view.drift_sparkline

@@ -306,8 +306,10 @@ class Divergence:
         'block 1 residual (input of blocks.1.ffn_norm): rel_l2 0.89 > threshold 0.0001 (8901.9x)'
         """
         where = self.where
-        if self.check.part is not None:
-            where += f" [{self.check.part}: {self.check.what}]"
+        part, what = self.check.part, self.check.what
+        if part is not None:  # an MoE ffn's part, in words: "(experts, routing frozen at the reference's)"
+            words = what.replace(" (", ", ").removesuffix(")") if what.endswith(")") else what
+            where += f" ({words if words.startswith(part) else f'{part}: {words}'})"
         module = self.module
         if self.subpath == "residual" and self.check.what.startswith("input of"):
             module = f"input of {module}"  # as the JSON's "what" and the HTML say it

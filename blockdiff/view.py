@@ -57,7 +57,7 @@ ROWS = (*SUBPATHS, WHOLE)
 
 # One symbol per heatmap cell, so the heatmap reads the same without colour.
 SYMBOLS = {"low": "·", "near": "o", "diverged": "X", "none": "-"}
-LEGEND = "· below 0.5   o 0.5 to 1   X diverged   - not needed or absent"
+LEGEND = "· below 0.5   o 0.5 to 1   X diverged   - not needed, absent or not judged"
 SPARKS = "▁▂▃▄▅▆▇█"
 
 # Colour scale of the ratio to threshold: fixed, so pictures of different runs compare.
@@ -76,36 +76,23 @@ MOE_COUNTS = (
 
 
 def headline(divergence: Divergence) -> str:
-    """:meth:`Divergence.headline <.report.Divergence.headline>` with the part of an MoE
-    ffn in words: ``block 1 ffn (experts, routing frozen at the reference's) (...)``
-    where the report's JSON says part ``experts``, what ``experts (routing frozen at the
-    reference's)``.
-
-    >>> headline(first)  # doctest: +SKIP
-    "block 1 ffn (router weights, tokens whose top-k agree) (blocks.1.ffn.router): rel_l2 ..."
-    """
-    text = divergence.headline()
-    part, what = divergence.check.part, divergence.check.what
-    if part is None:
-        return text
-    words = what.replace(" (", ", ").removesuffix(")") if what.endswith(")") else what
-    if not words.startswith(part):
-        words = f"{part}: {words}"
-    return text.replace(f" [{part}: {what}]", f" ({words})", 1)
+    """:meth:`Divergence.headline <.report.Divergence.headline>`, as every renderer states it."""
+    return divergence.headline()
 
 
 def level(ratio: float | None, diverged: bool, status: str = "checked") -> str:
     """The heatmap class of one check: ``low``, ``near``, ``diverged`` or ``none``.
 
     ``none`` is a check that did not run (``not_needed`` on the fast path, ``absent``
-    sub-path, or no check at all). NaN ratios diverge.
+    sub-path, ``not_judged``, or no check at all); an offline comparison's ``drift_only``
+    checks ran. NaN ratios diverge.
 
     >>> level(0.3, False), level(0.7, False), level(12.0, True), level(None, False, "absent")
     ('low', 'near', 'diverged', 'none')
     """
     if diverged:
         return "diverged"
-    if status != "checked" or ratio is None:
+    if status not in ("checked", "drift_only") or ratio is None:
         return "none"
     return "near" if ratio >= 0.5 else "low"
 
@@ -177,7 +164,7 @@ def ratio_colour(ratio: float) -> str:
 class Cell:
     """One heatmap cell: a sub-path's worst check, a whole-block check or a stage's check."""
 
-    status: str  # "checked", "not_needed", "absent", "drift_only"
+    status: str  # "checked", "not_needed", "absent", "drift_only", "not_judged"
     ratio: float | None = None  # value / threshold; None when nothing ran
     value: float | None = None
     threshold: float | None = None
@@ -345,6 +332,17 @@ class View:
             divergences=report.divergences,
             moe=[row for entry in report.moe for row in MoeRow.rows(entry)],
         )
+
+    @property
+    def drift_only(self) -> bool:
+        """Whether only drift was computed (two dumps compared offline): the cells are drift."""
+        statuses = {r.status for b in self.report.blocks for r in b.subpaths.values()} - {"absent"}
+        return statuses == {"drift_only"}
+
+    @property
+    def measured(self) -> str:
+        """What the cells hold, as captions name it."""
+        return "drift" if self.drift_only else "local error"
 
     @property
     def first(self) -> Divergence | None:

@@ -257,7 +257,7 @@ def test_html_of_a_moe_report_has_the_routing_table(moe):
     assert embedded(parser) == moe
     table = parser.text_by_id["moe"]
     assert "tokens per expert" in table and "cand" in table
-    assert "block 1 ffn [router" in parser.text_by_id["verdict"]
+    assert "block 1 ffn (router" in parser.text_by_id["verdict"]
 
 
 def test_html_of_a_clean_report(clean):

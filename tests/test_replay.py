@@ -203,3 +203,7 @@ def test_offline_comparison_names_the_first_site_in_execution_order(tmp_path, id
     data = json.loads((tmp_path / "r.json").read_text())
     in_block_0 = [(d["subpath"], d["module"]) for d in data["divergences"] if d["block"] == 0]
     assert in_block_0 == [("attention", "blocks.0.attn"), ("norm", "blocks.0.ffn_norm"), ("ffn", "blocks.0.ffn")]
+    # The heatmap shows the drift it judged (no "-" for checks that ran), and says it is drift.
+    assert "drift / threshold:" in out and "local error / threshold:" not in out
+    attention_row = next(line for line in out.splitlines() if line.strip().startswith("attention "))
+    assert attention_row.split()[1] == "X"
