@@ -23,7 +23,7 @@ import tempfile
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from torch import nn
 from ._version import __version__
 from .capture import TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
+from .dtypes import dtype_name
 from .errors import BlockdiffError, DumpError, InputError, ModelRunError
 from .hookmap import HookMap, Layout, resolve
 from .inputs import Inputs, check_inputs, check_vocab, digest, load_tokens, random_tokens
@@ -40,7 +41,8 @@ from .pairing import check_block_counts
 from .report import Report
 from .sides import DumpSide, LiveSide, Side, compiled_code_limits, describe, versions
 from .store import MemoryStore, release_freed_memory
-from .tolerance import Tolerance
+from .experiments import StoredFloors
+from .tolerance import Tolerance, working_dtype
 from .vocab import DRIFT
 
 
@@ -307,11 +309,13 @@ def replay(
 ) -> Report:
     """Run a live ``candidate`` on a reference dump's inputs and localize against it.
 
-    The reference is read block by block from the dump. Without live reference modules
-    there are no calibrated noise floors: the fixed thresholds judge, and the report says so.
-    ``inputs``, when given, must be the ones the dump was captured on.
+    The reference is read block by block from the dump. Calibrated floors come from the
+    dump when it stores them for the candidate's precision (``capture --floors``); else the
+    fixed thresholds judge, and the report says why. ``inputs``, when given, must be the
+    ones the dump was captured on.
     """
     with DumpReader(reference) as dump:
+        floors = dump.floors()
         stored = dump.inputs()
         if stored is None:
             raise DumpError(f"{reference}: the dump holds no model inputs to replay", path=str(reference))
@@ -328,7 +332,9 @@ def replay(
             report = _in_memory(
                 [cand],
                 stored,
-                lambda: _localize(ref, cand, stored, tolerance, fast_path=fast_path, capacity_factors=capacity_factors),
+                lambda: _localize(
+                    ref, cand, stored, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, floors=floors
+                ),
             )
     report.notes.insert(0, f"replay: the reference is the dump {reference}")
     changed = _version_changes(stored_versions, versions(candidate))
@@ -366,12 +372,16 @@ def compare_dumps(
                 f"the dumps were captured on different inputs ({reference}: {digest(ref_inputs)}, "
                 f"{candidate}: {digest(cand_inputs)}); capture both on the same token ids"
             )
-        # Two dumps have no live modules to calibrate with: the fixed policy judges drift.
-        tolerance = replace(tolerance or Tolerance(), policy="fixed")
-        report = _localize(ref, cand, ref_inputs, tolerance, fast_path=False, capacity_factors=())
+        # Two dumps have no live modules to calibrate with: drift is judged against the drift
+        # floors the reference stored for the candidate's precision, else fixed thresholds.
+        floors = ref_dump.floors()
+        stored = f"{dtype_name(working_dtype(ref.dtype, cand.dtype))}@{cand.device}" in floors
+        tolerance = replace(tolerance or Tolerance(), policy="calibrated" if stored else "fixed")
+        report = _localize(ref, cand, ref_inputs, tolerance, fast_path=False, capacity_factors=(), floors=floors)
+    basis = "its stored drift floors" if stored else "fixed thresholds"
     report.notes.append(
-        "offline comparison of two dumps: only drift could be computed, judged against fixed "
-        "thresholds; local errors (which sub-path is wrong rather than where the error shows) "
+        f"offline comparison of two dumps: only drift could be computed, judged against {basis}; "
+        "local errors (which sub-path is wrong rather than where the error shows) "
         f"need a live candidate: blockdiff diff {reference} CANDIDATE_MODEL"
     )
     return report
@@ -385,17 +395,64 @@ def capture(
     hooks: HookMap | None = None,
     compress: str | None = None,
     label: str | None = None,
+    floors: Sequence[tuple[torch.dtype, torch.device | str]] = (),
 ) -> None:
     """Run ``model`` once on ``inputs`` and stream every site into the dump ``out``.
 
     Sites are written as the forward produces them, so memory does not grow with the
     number of blocks. The dump is complete, or absent (written under a temporary name and
     renamed at the end).
+
+    Args:
+        floors: precisions (dtype, device) to measure noise floors at and store in the dump
+            (schema 3), so that a replay of a candidate in one of them is calibrated as a
+            live diff is: every check's floor, the reference's own code at that precision
+            on the reference's inputs. Measuring them holds the run in memory (like a live
+            diff) and runs the model's modules again at each precision.
     """
     check_inputs(inputs)
     side = _live_side("captured", model, hooks, inputs, label)
     with eval_mode(model), compiled_code_limits(model):
-        _stream(side, inputs, out, compress=compress)
+        if not floors:
+            _stream(side, inputs, out, compress=compress)
+            return
+        # Copies: the floor pass runs the model's modules again, which must not change the record.
+        store = _run(side.name, _recorded, side, inputs, hold=None)
+        measured = {
+            f"{dtype_name(dtype)}@{torch.device(device)}": {
+                "dtype": dtype_name(dtype),
+                "device": str(torch.device(device)),
+                "values": _run(side.name, measure_floors, side, store, inputs, dtype, torch.device(device)),
+            }
+            for dtype, device in floors
+        }
+        with DumpWriter(out, meta=_dump_meta(side, inputs), compress=compress) as writer:
+            writer.add_inputs(inputs)
+            for site in store.sites():
+                writer.add(site)
+            writer.add_floors(measured)
+
+
+def _recorded(side: LiveSide, inputs: Inputs, *, hold: str | None) -> MemoryStore:
+    store = MemoryStore(side.meta)
+    side.record(inputs, store, hold=hold, progress=_progress(side))
+    return store
+
+
+def measure_floors(side: LiveSide, store: MemoryStore, inputs: Inputs, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    """Every check's noise floor at one precision, by check key: the experiments of a
+    calibrated diff of the model against itself, keeping what each floor measured."""
+    reference = LiveSide("reference", side.model, side.layout)
+    reference.store = store
+    localizer = Localizer(reference, reference, Tolerance("calibrated"), precision=(dtype, device))
+    experiments = localizer.experiments
+    experiments.measured = {}
+    assert experiments.floor_side is not None
+    experiments.free_run = _record_in_memory(experiments.floor_side, inputs)
+    with torch.inference_mode():
+        list(localizer.stages())
+        list(localizer.blocks())
+    return experiments.measured
 
 
 # -- recording and localizing ---------------------------------------------------------------
@@ -410,6 +467,7 @@ def _localize(
     fast_path: bool,
     capacity_factors: tuple[float, ...],
     free_run: Callable[[Side], Any] | None = None,
+    floors: dict[str, Any] | None = None,
 ) -> Report:
     """Localize two recorded sides into a report. ``free_run(side)`` records the reference
     at the candidate's precision for drift floors, into a store it returns (in memory
@@ -418,7 +476,9 @@ def _localize(
         same_dtype=ref.dtype == cand.dtype,
         same_device=ref.device == cand.device,
     )
-    localizer = Localizer(ref, cand, tolerance, fast_path=fast_path, capacity_factors=capacity_factors)
+    label = f"{dtype_name(working_dtype(ref.dtype, cand.dtype))}@{cand.device}"
+    stored = StoredFloors(label, floors[label]["values"]) if floors and label in floors else None
+    localizer = Localizer(ref, cand, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, stored=stored)
     floor = localizer.experiments.floor_side
     if floor is not None and cand.live and inputs is not None:
         # Drift floors: the reference's own free run at the candidate's precision.
@@ -455,13 +515,24 @@ def _localize(
             "not see: `blockdiff arch MODEL`), or precision accumulates more than in the reference's own "
             "code (compare precisions with --tolerance calibrated; accept it with --tol drift=VALUE)"
         )
-    if tolerance.calibrated and not localizer.calibrate:
+    if localizer.experiments.stored is not None:
+        report.tolerance["floors"] = f"stored {label}"
+        report.notes.append(f"calibrated (stored floors): the dump's noise floors measured at {label}")
+    elif tolerance.calibrated and not localizer.calibrate:
+        if floors:
+            why = f"it stores floors for {', '.join(floors)}, not for the candidate's {label}"
+        else:
+            why = f"it stores none: capture it with --floors {label}"
         report.notes.append(
-            "calibrated tolerance needs the live reference modules, which a dump does not hold: "
-            "fixed thresholds were used"
+            "calibrated tolerance needs the live reference modules or floors stored in the dump "
+            f"({why}): fixed thresholds were used"
         )
         report.tolerance["policy"] = "fixed"
     return report
+
+
+def _dump_meta(side: LiveSide, inputs: Inputs) -> dict[str, Any]:
+    return {**side.meta, "layout": side.layout.to_dict(), "inputs_digest": digest(inputs), "versions": versions(side.model)}
 
 
 def _record_in_memory(side: Side, inputs: Inputs) -> MemoryStore:
@@ -481,7 +552,7 @@ def _stream(side: LiveSide, inputs: Inputs, path: str | Path, *, compress: str |
     model's own tensors (see :func:`~blockdiff.capture.record_once`); should the model
     change one before its site is written, the dump is thrown away and the capture runs
     again with copies."""
-    meta = {**side.meta, "layout": side.layout.to_dict(), "inputs_digest": digest(inputs), "versions": versions(side.model)}
+    meta = _dump_meta(side, inputs)
 
     def attempt(copy: bool) -> None:
         with DumpWriter(path, meta=meta, compress=compress) as writer:

@@ -20,7 +20,7 @@ the check's noise floor.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -46,26 +46,51 @@ class Experiments:
         tolerance: the resolved policy (see :meth:`Tolerance.resolved`).
     """
 
-    def __init__(self, reference: Side, candidate: Side, tolerance: Tolerance) -> None:
+    def __init__(
+        self,
+        reference: Side,
+        candidate: Side,
+        tolerance: Tolerance,
+        *,
+        stored: StoredFloors | None = None,
+        precision: tuple[torch.dtype, torch.device] | None = None,
+    ) -> None:
         self.ref = reference
         self.cand = candidate
         self.tolerance = tolerance
-        self.dtype = working_dtype(reference.dtype, candidate.dtype)
-        # The reference's own code at the candidate's precision, when it can run.
-        self.floor_side = reference.in_precision(self.dtype, candidate.device) if tolerance.calibrated else None
+        dtype, device = precision or (working_dtype(reference.dtype, candidate.dtype), candidate.device)
+        self.dtype = dtype
+        # The reference's own code at the candidate's precision, when it can run; else the
+        # floors a dump stored for that precision, when it has them.
+        self.floor_side = reference.in_precision(dtype, device) if tolerance.calibrated else None
+        self.stored = stored if tolerance.calibrated and self.floor_side is None else None
         # The reference's whole free run at the candidate's precision: drift floors.
         self.free_run: SiteStore | None = None
         self._free_run_cache: tuple[int | None, dict] = (-1, {})
+        # Every floor measured, by key, when a capture stores them (see record_floors()).
+        self.measured: dict[str, Any] | None = None
 
     @property
     def calibrated(self) -> bool:
-        """Whether checks get noise floors (the calibrated policy and a live reference)."""
-        return self.floor_side is not None
+        """Whether checks get noise floors (the calibrated policy, and a live reference or
+        floors a dump stored for this precision)."""
+        return self.floor_side is not None or self.stored is not None
 
-    def with_floor(self, measure: Callable[[Side], T]) -> T | None:
-        """``measure`` run on the reference at the candidate's precision: the calibrated
-        branch of every experiment, in one place. ``None`` without floors."""
-        return None if self.floor_side is None else measure(self.floor_side)
+    def with_floor(self, key: str, measure: Callable[[Side], T]) -> T | None:
+        """The floor of the check ``key`` names: ``measure`` run on the reference at the
+        candidate's precision, or what a dump stored for it. The calibrated branch of every
+        experiment, in one place. ``None`` without floors.
+
+        Keys name a check by kind and site (``module:block 2 ffn``), the same in the run
+        that stores floors (:attr:`measured`) and the replay that reads them."""
+        if self.stored is not None:
+            return self.stored.get(key)
+        if self.floor_side is None:
+            return None
+        value = measure(self.floor_side)
+        if self.measured is not None:
+            self.measured[key] = value
+        return value
 
     def check(self, target: str, what: str, module: str, expected: torch.Tensor, got: torch.Tensor, floor: float | None) -> Check:
         return Check(what, module, metrics(expected, got, dtype=self.dtype), self.tolerance.threshold(target, self.dtype, floor))
@@ -84,12 +109,13 @@ class Experiments:
         drift = self.drift(r, c)
         if drift is None:
             return None
-        floor = None
-        own = self._free_run_site(r)
-        if own is not None:
-            floor_drift = self.drift(r, own)
-            floor = None if floor_drift is None else floor_drift.rel_l2
+        floor = self.with_floor(f"drift:{describe_key(r.key)}", lambda side: self._free_run_floor(r))
         return Check(DRIFT, c.module, drift, self.tolerance.threshold(DRIFT, self.dtype, floor))
+
+    def _free_run_floor(self, r: Site) -> float | None:
+        own = self._free_run_site(r)
+        floor_drift = None if own is None else self.drift(r, own)
+        return None if floor_drift is None else floor_drift.rel_l2
 
     def _free_run_site(self, r: Site) -> Site | None:
         if self.free_run is None:
@@ -119,7 +145,8 @@ class Experiments:
             out = self.module_output(self.cand, c.module, c, hidden)
         out = aligned(describe_key(c.key), "output", ref_out, out)
         floor = self.with_floor(
-            lambda side: metrics(ref_out, self.module_output(side, r.module, r, None), dtype=self.dtype).rel_l2
+            f"module:{describe_key(r.key)}",
+            lambda side: metrics(ref_out, self.module_output(side, r.module, r, None), dtype=self.dtype).rel_l2,
         )
         check = self.check(target, "output", c.module, ref_out, out, floor)
         check.order = r.order
@@ -165,11 +192,28 @@ class Experiments:
                 found.append(None if got is None else metrics(expected, got, dtype=self.dtype).rel_l2)
             return found
 
-        measured = self.with_floor(floors) or [None] * len(compared)
+        measured = self.with_floor(f"{target}:{describe_key(r_block.key)}", floors) or [None] * len(compared)
         return [
             self.check(target, what, module, expected, aligned(label, what, expected, got), floor)
             for (what, module, expected, got, _), floor in zip(compared, measured)
         ]
+
+
+class StoredFloors:
+    """Floors a dump stored for one precision (``blockdiff capture --floors``), by check key.
+
+    Attributes:
+        label: the precision they were measured at, ``bfloat16@cpu``.
+        values: check key → floor (a number, a list of numbers for a block's checks, or a
+            router's output at that precision).
+    """
+
+    def __init__(self, label: str, values: dict[str, Any]) -> None:
+        self.label = label
+        self.values = values
+
+    def get(self, key: str) -> Any:
+        return self.values.get(key)
 
 
 def relative(layout: BlockLayout) -> dict[str, str]:

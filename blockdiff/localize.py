@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from .experiments import Experiments
+from .experiments import Experiments, StoredFloors
 from .moe import moe_checks, moe_statistics
 from .pairing import BlockPair, check_block_counts, check_paired, in_order, outside_position, pair_block, pair_outside
 from .report import BlockResult, Check, StageResult, SubpathResult
@@ -43,6 +43,8 @@ class Localizer:
         fast_path: skip a block's sub-path experiments when the block-level local error is
             within tolerance (they are reported as ``not_needed``).
         capacity_factors: the counterfactual capacity factors of dropless MoE statistics.
+        stored: floors a dump stored for the candidate's precision (a replay).
+        precision: the (dtype, device) floors are measured at, when not the candidate's.
     """
 
     def __init__(
@@ -53,10 +55,12 @@ class Localizer:
         *,
         fast_path: bool = False,
         capacity_factors: tuple[float, ...] = (1.0, 1.25),
+        stored: StoredFloors | None = None,
+        precision: tuple[torch.dtype, torch.device] | None = None,
     ) -> None:
         self.ref = reference
         self.cand = candidate
-        self.experiments = Experiments(reference, candidate, tolerance)
+        self.experiments = Experiments(reference, candidate, tolerance, stored=stored, precision=precision)
         self.tolerance = tolerance
         self.fast_path = fast_path
         self.dtype = self.experiments.dtype
@@ -83,7 +87,9 @@ class Localizer:
         drift = self.experiments.drift(r, c)
         if drift is None:
             return None
-        return Check(OFFLINE_DRIFT, c.module, drift, self.tolerance.threshold(target, self.dtype, None), order=r.order)
+        # Floors a reference dump stored for the candidate dump's precision judge drift too.
+        floor = self.experiments.with_floor(f"drift:{describe_key(r.key)}", lambda side: None)
+        return Check(OFFLINE_DRIFT, c.module, drift, self.tolerance.threshold(target, self.dtype, floor), order=r.order)
 
     def stages(self) -> Iterator[StageResult]:
         """Local errors and drift of the sites outside blocks (embed, context, final norm, head)."""

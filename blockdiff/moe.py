@@ -211,7 +211,11 @@ def moe_checks(exp: Experiments, pair: BlockPair, r_ffn: Site, c_ffn: Site) -> l
     ref = side_decision(exp.ref, r_layout, r_router)
     out = exp.cand.call_module(c_router.module, c_router, r_router.hidden_inputs())
     cand = side_decision(exp.cand, c_layout, c_router, snapshot(out))
-    floor = exp.with_floor(lambda side: side_decision(side, r_layout, r_router, snapshot(side.call_module(r_router.module, r_router))))
+    # The router's whole output at the candidate's precision (what a dump stores).
+    floor_output = exp.with_floor(
+        f"router:{describe_key(r_router.key)}", lambda side: snapshot(side.call_module(r_router.module, r_router))
+    )
+    floor = None if floor_output is None else side_decision(exp.ref, r_layout, r_router, floor_output)
     checks = router_checks(ref, cand, floor, module=c_router.module, tolerance=exp.tolerance, dtype=exp.dtype)
 
     ref_out = r_ffn.primary_output()
@@ -225,6 +229,7 @@ def moe_checks(exp: Experiments, pair: BlockPair, r_ffn: Site, c_ffn: Site) -> l
     out = frozen_routing(exp.cand, c_ffn, c_router, c_router, r_ffn.hidden_inputs())
     check_shapes(describe_key(c_ffn.key), "output", ref_out, out)
     experts_floor = exp.with_floor(
+        f"experts:{describe_key(r_ffn.key)}",
         lambda side: metrics(ref_out, frozen_routing(side, r_ffn, r_router, r_router, None), dtype=exp.dtype).rel_l2
     )
     checks.append(exp.check("ffn", EXPERTS, c_ffn.module, ref_out, out, experts_floor))

@@ -247,7 +247,7 @@ def test_meta_round_trips_with_standard_attributes(tmp_path):
     for key, value in META.items():
         assert meta[key] == value
     assert meta["format"] == "blockdiff.dump"
-    assert meta["schema_version"] == 2
+    assert meta["schema_version"] == 3
     assert meta["complete"] is True
     assert meta["torch_version"] == torch.__version__
     assert isinstance(meta["blockdiff_version"], str) and meta["blockdiff_version"]
@@ -292,7 +292,7 @@ def test_plain_h5py_reads_the_dump(tmp_path):
 
     with h5py.File(path, "r") as f:
         assert text(f.attrs, "format") == "blockdiff.dump"
-        assert f.attrs["schema_version"] == 2
+        assert f.attrs["schema_version"] == 3
         assert bool(f.attrs["complete"]) is True
         assert text(f.attrs, "model") == META["model"]
         assert f.attrs["layers"] == 2
@@ -418,8 +418,8 @@ def test_foreign_hdf5(tmp_path):
 
 def test_newer_schema_version(dump_path):
     with h5py.File(dump_path, "r+") as f:
-        f.attrs["schema_version"] = 3
-    with pytest.raises(DumpError, match="has schema version 3; this blockdiff reads up to 2: upgrade blockdiff"):
+        f.attrs["schema_version"] = 4
+    with pytest.raises(DumpError, match="has schema version 4; this blockdiff reads up to 3: upgrade blockdiff"):
         DumpReader(dump_path)
 
 
@@ -476,6 +476,17 @@ def _resign(f: h5py.File) -> None:
     del f.attrs["complete"], f.attrs["metadata_digest"]
     f.attrs["metadata_digest"] = dump_module._metadata_digest(f)
     f.attrs["complete"] = True
+
+
+def test_schema_2_dump_without_floors_is_still_read(dump_path):
+    # blockdiff 0.2 wrote schema 2: schema 3 adds the optional /floors group.
+    with h5py.File(dump_path, "r+") as f:
+        f.attrs["schema_version"] = 2
+        _resign(f)
+    with DumpReader(dump_path) as dump:
+        assert dump.meta["schema_version"] == 2
+        assert dump.floors() == {}
+        assert dump.verify_all().tensors > 0
 
 
 def test_schema_1_dump_with_zlib_crc32_is_still_read_and_verified(dump_path):

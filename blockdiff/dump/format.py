@@ -22,7 +22,7 @@ import torch
 
 FORMAT = "blockdiff.dump"
 # 2: CRC-32C checksums (``crc32c``); 1 (blockdiff 0.1): zlib CRC-32 (``crc32``), still read.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # File attributes the writer owns; ``meta`` may not use these names.
 STANDARD_ATTRIBUTES = (

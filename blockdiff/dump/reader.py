@@ -308,6 +308,15 @@ class DumpReader:
                 return None
             return self._decode("inputs", "/inputs", whole=True)[0]
 
+    def floors(self) -> dict[str, Any]:
+        """The noise floors stored at capture, by precision label (``bfloat16@cpu``): each a
+        dict with ``dtype``, ``device`` and ``values``; empty when the dump has none."""
+        self._open_file()
+        with self._guard("cannot be read (the file is damaged)", site="/floors"):
+            if "floors" not in self._objects:
+                return {}
+            return self._decode("floors", "/floors", whole=True)[0]
+
     def verify_all(self) -> VerifySummary:
         """Read every tensor of every site and the inputs, checking each digest.
 
@@ -327,11 +336,12 @@ class DumpReader:
                     raise ValueError(f"datasets {sorted(extra)} are not referenced by the structure")
             tensors += len(dec.tensors)
             nbytes += dec.nbytes
-        with self._guard("cannot be read (the file is damaged)", site="/inputs"):
-            if "inputs" in self._objects:
-                _, dec = self._decode("inputs", "/inputs", whole=True, verify=True)
-                tensors += len(dec.tensors)
-                nbytes += dec.nbytes
+        for name in ("inputs", "floors"):
+            with self._guard("cannot be read (the file is damaged)", site=f"/{name}"):
+                if name in self._objects:
+                    _, dec = self._decode(name, f"/{name}", whole=True, verify=True)
+                    tensors += len(dec.tensors)
+                    nbytes += dec.nbytes
         return VerifySummary(sites=len(self._entries), tensors=tensors, bytes=nbytes)
 
     # -- lifecycle

@@ -276,7 +276,6 @@ class DumpWriter:
         # What the metadata digest covers, recorded as it is written (not read back).
         self._root: dict[str, Any] = {}
         self._objects: dict[str, _Object] = {}
-        self._has_inputs = False
         self._meta_keys: list[str] = []
         self._file: h5py.File | None = None
         # Every libhdf5 call of this writer runs on one worker thread while the caller
@@ -371,25 +370,31 @@ class DumpWriter:
 
     def add_inputs(self, obj: Any) -> None:
         """Record the run's model inputs (a tensor, a tuple or a dict) as group ``/inputs``."""
-        self._on_worker(self._add_inputs, obj)
+        self._on_worker(self._add_structure, "inputs", obj)
 
-    def _add_inputs(self, obj: Any) -> None:
+    def add_floors(self, floors: dict[str, Any]) -> None:
+        """Record noise floors measured at capture as group ``/floors``: by precision label
+        (``bfloat16@cpu``) a dict with ``dtype``, ``device`` and ``values`` (check key →
+        a number, a list of numbers, or a router's output). Schema 3."""
+        self._on_worker(self._add_structure, "floors", floors)
+
+    def _add_structure(self, name: str, obj: Any) -> None:
+        """Group ``/<name>``: one nested structure of tensors and plain values."""
         f = self._open_file()
-        if self._has_inputs:
-            raise DumpError(f"{self.path}: inputs were already recorded", path=str(self.path))
-        group = f.create_group("inputs")
+        if name in self._objects:
+            raise DumpError(f"{self.path}: {name} were already recorded", path=str(self.path))
+        group = f.create_group(name)
         attrs: dict[str, Any] = {}
-        self._objects["inputs"] = _Object("group", attrs)
+        self._objects[name] = _Object("group", attrs)
         try:
-            enc = _Encoder(group, "inputs", self._objects, self._compression, checksums=self.checksums)
+            enc = _Encoder(group, name, self._objects, self._compression, checksums=self.checksums)
             attrs["structure"] = _set_attr(group, "structure", json.dumps(enc.node(obj)))
         except Exception as exc:
-            del f["inputs"]
-            self._forget("inputs")
+            del f[name]
+            self._forget(name)
             raise DumpError(
-                f"{self.path}: cannot write the inputs: {type(exc).__name__}: {exc}", path=str(self.path)
+                f"{self.path}: cannot write the {name}: {type(exc).__name__}: {exc}", path=str(self.path)
             ) from exc
-        self._has_inputs = True
 
     # -- lifecycle
 
