@@ -14,7 +14,7 @@ pytest.importorskip("transformer_lens")
 
 from blockdiff import diff  # noqa: E402
 from blockdiff.capture import record  # noqa: E402
-from blockdiff.hookmap import resolve  # noqa: E402
+from blockdiff.hookmap import ModuleOptions, resolve  # noqa: E402
 from blockdiff.sides import LiveSide  # noqa: E402
 from blockdiff.store import MemoryStore  # noqa: E402
 from samples import transformer_lens as tl_samples  # noqa: E402
@@ -94,6 +94,22 @@ def test_hugging_face_as_the_candidate_of_transformer_lens(hf, tl, ids):
     # The candidate's blocks run the experiments: Hugging Face calls each norm once.
     report = diff(tl, hf, ids)
     assert blamed(report) is None and not report.divergences
+    # TransformerLens' [2, 16, 64] positional embedding against Hugging Face's [1, 16, 64].
+    assert [s.stage for s in report.stages][:2] == ["embed", "embed"]
+    assert report.stages[1].local is not None and not report.stages[1].local.diverged
+    assert report.stages[1].drift_check is not None and not report.stages[1].drift_check.diverged
+
+
+def test_without_broadcast_the_positional_embedding_is_a_shape_mismatch(hf, tl, ids):
+    from dataclasses import replace
+
+    from blockdiff.errors import ShapeMismatchError
+    from blockdiff.hookmap import find
+
+    bundled = find(tl)
+    unbroadcast = replace(bundled, modules={**bundled.modules, "pos_embed": ModuleOptions(activations=())})
+    with pytest.raises(ShapeMismatchError, match=r"embed #1 output: candidate has shape \[1, 16, 64\], reference \[2, 16, 64\]"):
+        diff(tl, hf, ids, reference_hooks=unbroadcast)
 
 
 @needs_sides
@@ -122,3 +138,23 @@ def test_cli_diffs_transformer_lens_against_hugging_face(capsys):
     code, out, _ = run_cli(["diff", "samples/hf_families.py:build_gpt2", "samples/transformer_lens.py:ffn_bug", "-q"], capsys)
     assert code == 1
     assert out.startswith("first divergence: block 1 ffn (blocks.1.mlp)")
+
+
+def test_a_dump_gets_the_activation_keywords_from_its_stored_layout(tl, ids, tmp_path):
+    from blockdiff.dump import DumpReader
+    from blockdiff.engine import capture
+    from blockdiff.hookmap import layout_from_dict
+    from blockdiff.pairing import pair_block
+
+    path = tmp_path / "tl.h5"
+    capture(tl, ids, path)
+    live = MemoryStore()
+    record(tl, resolve(tl), live, ids)
+    with DumpReader(path) as dump:
+        stored = layout_from_dict(dump.meta["layout"])
+        assert stored.options("blocks.1.ln1").calls == "first"
+        (attn,) = [s for s in dump.block_sites(1) if s.subpath == "attention"]
+        assert attn.activations is None and attn.hidden_inputs() == {}  # the dump holds no names
+        pair = pair_block(dump, live, 1, stored, resolve(tl))
+    (paired,) = [s for s in pair.ref.values() if s.subpath == "attention"]
+    assert set(paired.hidden_inputs()) == {"primary", "query_input", "key_input", "value_input"}
