@@ -396,7 +396,7 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
         for path in hook_map.outside.get(stage, ()):
             found = lookup(path)
             if found is None:
-                if stage in hook_map.optional:
+                if stage in hook_map.optional or path in hook_map.optional:
                     continue
                 raise missing(f"{stage} module", path)
             outside.append((stage, found))

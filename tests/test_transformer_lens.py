@@ -1,6 +1,6 @@
-"""TransformerLens ``HookedTransformer`` against Hugging Face GPT-2 with the same weights:
-the bundled ``transformer_lens`` map (activation keywords, ``ln1``'s first call, the
-broadcast positional embedding) pairs the two codebases site by site."""
+"""TransformerLens ``HookedTransformer`` against Hugging Face GPT-2 and Llama with the same
+weights: the bundled ``transformer_lens`` map (activation keywords, ``ln1``'s first call,
+the broadcast positional embedding) pairs the two codebases site by site."""
 
 from __future__ import annotations
 
@@ -42,9 +42,15 @@ def tl():
     return tl_samples.build()
 
 
-def test_the_sample_computes_the_hugging_face_logits(hf, tl, ids):
+def hooks(family: str) -> dict:
+    """Hugging Face Llama's model-level rotary module has no TransformerLens counterpart."""
+    return dict(reference_hooks=tl_samples.llama_reference_map()) if family == "llama" else {}
+
+
+@pytest.mark.parametrize("family", tl_samples.FAMILIES)
+def test_the_sample_computes_the_hugging_face_logits(family, ids):
     with torch.no_grad():
-        expected, got = hf(ids).logits, tl(ids)
+        expected, got = tl_samples.reference(family=family)(ids).logits, tl_samples.build(family=family)(ids)
     assert float((got - expected).norm() / expected.norm()) < 1e-6
 
 
@@ -78,11 +84,13 @@ def test_capture_records_the_first_ln1_call_and_the_attention_inputs(tl, ids):
 
 
 @needs_sides
-def test_same_weights_blame_nothing(hf, tl, ids):
-    report = diff(hf, tl, ids)
+@pytest.mark.parametrize("family", tl_samples.FAMILIES)
+def test_same_weights_blame_nothing(family, ids):
+    report = diff(tl_samples.reference(family=family), tl_samples.build(family=family), ids, **hooks(family))
     assert report.tolerance["policy"] == "fixed"
     assert report.first_divergence is None and not report.divergences
-    assert [s.stage for s in report.stages] == ["embed", "embed", "final_norm", "head"]
+    embeds = ["embed", "embed"] if family == "gpt2" else ["embed"]
+    assert [s.stage for s in report.stages] == [*embeds, "final_norm", "head"]
     for block in report.blocks:
         checked = {name for name, result in block.subpaths.items() if result.checks}
         assert checked == {"attention", "ffn", "norm", "residual"}
@@ -90,14 +98,23 @@ def test_same_weights_blame_nothing(hf, tl, ids):
         assert f"input of blocks.{block.index}.attn" in [c.what for c in block.subpaths["residual"].checks]
 
 
-def test_hugging_face_as_the_candidate_of_transformer_lens(hf, tl, ids):
+@pytest.mark.parametrize("family", tl_samples.FAMILIES)
+def test_hugging_face_as_the_candidate_of_transformer_lens(family, ids):
     # The candidate's blocks run the experiments: Hugging Face calls each norm once.
-    report = diff(tl, hf, ids)
+    cand_hooks = {"candidate_hooks": h for h in hooks(family).values()}
+    report = diff(tl_samples.build(family=family), tl_samples.reference(family=family), ids, **cand_hooks)
     assert blamed(report) is None and not report.divergences
+    if family == "llama":
+        return
     # TransformerLens' [2, 16, 64] positional embedding against Hugging Face's [1, 16, 64].
     assert [s.stage for s in report.stages][:2] == ["embed", "embed"]
     assert report.stages[1].local is not None and not report.stages[1].local.diverged
     assert report.stages[1].drift_check is not None and not report.stages[1].drift_check.diverged
+    # An ffn bug on the Hugging Face side is blamed there, not on later attention.
+    from samples.hf_families import ffn_bug
+
+    report = diff(tl_samples.build(), ffn_bug(family="gpt2", block=0), ids)
+    assert [(d.block, d.subpath) for d in report.divergences] == [(0, "ffn")]
 
 
 def test_without_broadcast_the_positional_embedding_is_a_shape_mismatch(hf, tl, ids):
@@ -113,9 +130,10 @@ def test_without_broadcast_the_positional_embedding_is_a_shape_mismatch(hf, tl, 
 
 
 @needs_sides
+@pytest.mark.parametrize("family", tl_samples.FAMILIES)
 @pytest.mark.parametrize("make", list(tl_samples.BUGS), ids=lambda make: make.__name__)
-def test_planted_bug_is_blamed_on_its_block_and_sub_path_only(make, hf, ids):
-    report = diff(hf, make(block=1), ids)
+def test_planted_bug_is_blamed_on_its_block_and_sub_path_only(make, family, ids):
+    report = diff(tl_samples.reference(family=family), make(family=family, block=1), ids, **hooks(family))
     assert blamed(report) == ("block", 1, tl_samples.BUGS[make])
     assert [(d.stage, d.block, d.subpath) for d in report.divergences] == [("block", 1, tl_samples.BUGS[make])]
 
