@@ -5,6 +5,7 @@ the broadcast positional embedding) pairs the two codebases site by site."""
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -176,3 +177,17 @@ def test_a_dump_gets_the_activation_keywords_from_its_stored_layout(tl, ids, tmp
         pair = pair_block(dump, live, 1, stored, resolve(tl))
     (paired,) = [s for s in pair.ref.values() if s.subpath == "attention"]
     assert set(paired.hidden_inputs()) == {"primary", "query_input", "key_input", "value_input"}
+
+
+def test_cli_diffs_hugging_face_against_transformer_lens(capsys, tmp_path, ids):
+    # A HookedTransformer's embedding is no nn.Embedding and it has no `config`: the CLI
+    # cannot size random tokens from it, so the reference gets token ids.
+    code, _, err = run_cli(["diff", "samples/transformer_lens.py:build", "samples/hf_families.py:build_gpt2"], capsys)
+    assert code == 2 and err.startswith("Error: cannot tell the model's vocabulary size") and "Traceback" not in err
+    tokens = tmp_path / "ids.json"
+    tokens.write_text(json.dumps(ids.tolist()))
+    args = ["diff", "samples/transformer_lens.py:build", "samples/hf_families.py:build_gpt2", "--tokens", str(tokens), "-q"]
+    code, out, err = run_cli(args, capsys)
+    assert (code, out.strip()) == (0, "no divergence"), err
+    code, out, err = run_cli(["arch", "samples/transformer_lens.py:build", "--json"], capsys)
+    assert code == 0 and '"calls": "first"' in out and '"broadcast": true' in out, err
