@@ -140,6 +140,16 @@ def test_planted_bug_is_blamed_on_its_block_and_sub_path_only(make, family, ids)
 
 
 @needs_sides
+def test_bfloat16_transformer_lens_against_float32_hugging_face(hf, ids):
+    """Calibrated floors: Hugging Face's own code at bfloat16 calls each norm once."""
+    report = diff(hf, tl_samples.build().to(torch.bfloat16), ids)
+    assert report.tolerance["policy"] == "calibrated"
+    assert blamed(report) is None and not report.divergences
+    report = diff(hf, tl_samples.ffn_bug(block=1).to(torch.bfloat16), ids)
+    assert [(d.block, d.subpath) for d in report.divergences] == [(1, "ffn")]
+
+
+@needs_sides
 def test_an_ffn_bug_in_block_0_is_not_blamed_on_later_attention(hf, ids):
     """Without the activation keywords, TransformerLens attention ran on its own drifted
     inputs, and a block-0 MLP bug was blamed on attention in blocks 1-3."""
