@@ -281,7 +281,7 @@ def detect(model: nn.Module) -> HookMap:
     norms = [p for p, m in around.items() if order[p] > first_block and _role(p, m) == "norm"]
     if norms:
         outside["final_norm"] = norms
-    vocab = _vocab_size(model)
+    vocab = configured_vocab_size(model)
     if vocab is None and embeds:
         vocab = max(lookups[p][0] if p in lookups else modules[p].num_embeddings for p in embeds)
     width = next((lookups[p][1] if p in lookups else modules[p].embedding_dim for p in embeds), None)
@@ -305,7 +305,7 @@ def detect(model: nn.Module) -> HookMap:
     )
 
 
-def _vocab_size(model: nn.Module) -> int | None:
+def configured_vocab_size(model: nn.Module) -> int | None:
     """The vocabulary the model's configuration states: Hugging Face ``config.vocab_size``,
     TransformerLens ``cfg.d_vocab``."""
     for holder, name in (("config", "vocab_size"), ("cfg", "d_vocab")):

@@ -121,7 +121,7 @@ def capture(
     snapshot = snapshot or Snapshots()
     calls: dict[str, int] = {}
     ordinals: dict[tuple, int] = {}
-    open_sites: dict[str, list[Site]] = {}
+    open_sites: dict[str, list[Site | None]] = {}
     order = [0]
     blocks_done = [0]
     handles = []
@@ -140,24 +140,33 @@ def capture(
     def opened(module: nn.Module, args: tuple, kwargs: dict) -> None:
         path, (stage, block, subpath) = sites[id(module)]
         group = (stage, block, subpath)
+        options = layout.options(path)
+        call = calls.get(path, 0)
+        calls[path] = call + 1
+        if not options.selects(call):
+            # Not a site (the map's `calls`): no record, no ordinal.
+            open_sites.setdefault(path, []).append(None)
+            return
         site = Site(
             stage=stage,
             block=block,
             subpath=subpath,
             module=path,
-            call=calls.get(path, 0),
+            call=call,
             ordinal=ordinals.get(group, 0),
             args=snapshot(args),
             kwargs=snapshot(kwargs),
             order=order[0],
+            activations=options.activations,
         )
-        calls[path] = site.call + 1
         ordinals[group] = site.ordinal + 1
         order[0] += 1
         open_sites.setdefault(path, []).append(site)
 
     def closed(module: nn.Module, output: Any) -> None:
         site = open_sites[sites[id(module)][0]].pop()
+        if site is None:
+            return
         site.output = snapshot(output)
         snapshot.add(store, site)
         if progress is not None and site.stage == "block" and site.subpath is None:

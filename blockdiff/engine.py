@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ._version import __version__
+from .autodetect import configured_vocab_size
 from .capture import TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
 from .dtypes import dtype_name
@@ -59,14 +60,15 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
 
 
 def vocab_size(model: nn.Module, layout: Layout) -> int | None:
-    """The vocabulary of the model's embedding, if it is an ``nn.Embedding``."""
+    """The vocabulary of the model's embedding when it is an ``nn.Embedding``, else the one
+    its configuration states (Hugging Face ``config.vocab_size``, TransformerLens
+    ``cfg.d_vocab``)."""
     for stage, path in layout.outside:
         if stage == "embed":
             module = model.get_submodule(path)
             if isinstance(module, nn.Embedding):
                 return module.num_embeddings
-    config = getattr(model, "config", None)
-    return getattr(config, "vocab_size", None)
+    return configured_vocab_size(model)
 
 
 # -- choosing the mode ----------------------------------------------------------------------

@@ -100,7 +100,13 @@ class Experiments:
         ref_out, cand_out = r.primary_output(), c.primary_output()
         if ref_out is None or cand_out is None:
             return None
-        return metrics(ref_out, aligned(describe_key(c.key), "output", ref_out, cand_out), dtype=self.dtype)
+        return metrics(*self.comparable(r, c, ref_out, cand_out), dtype=self.dtype)
+
+    def comparable(self, r: Site, c: Site, ref_out: torch.Tensor, cand_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two outputs of a paired site in one shape (see :func:`comparable`); broadcast
+        when either side's hook map says so for its module."""
+        broadcast = self.ref.layout.options(r.module).broadcast or self.cand.layout.options(c.module).broadcast
+        return comparable(describe_key(c.key), "output", ref_out, cand_out, broadcast=broadcast)
 
     def drift_check(self, r: Site, c: Site) -> Check | None:
         """Drift judged: against its calibrated floor — the drift of the reference's own
@@ -143,12 +149,12 @@ class Experiments:
         out = c.primary_output()
         if out is None or not same_bits(hidden, c.hidden_inputs()):
             out = self.module_output(self.cand, c.module, c, hidden)
-        out = aligned(describe_key(c.key), "output", ref_out, out)
+        expected, out = self.comparable(r, c, ref_out, out)
         floor = self.with_floor(
             f"module:{describe_key(r.key)}",
             lambda side: metrics(ref_out, self.module_output(side, r.module, r, None), dtype=self.dtype).rel_l2,
         )
-        check = self.check(target, "output", c.module, ref_out, out, floor)
+        check = self.check(target, "output", c.module, expected, out, floor)
         check.order = r.order
         return check
 
@@ -236,6 +242,22 @@ def aligned(label: str, what: str, ref: torch.Tensor, cand: torch.Tensor) -> tor
     return cand
 
 
+def comparable(
+    label: str, what: str, ref: torch.Tensor, cand: torch.Tensor, *, broadcast: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ref`` and ``cand`` in one shape: :func:`aligned`, or with ``broadcast`` (a site
+    the hook map declares broadcastable: TransformerLens' positional embedding is
+    [B, T, D] where Hugging Face's is [1, T, D]) both broadcast to their common shape.
+    Shapes that do not broadcast are a :class:`ShapeMismatchError` either way."""
+    if broadcast and tuple(ref.shape) != tuple(cand.shape):
+        try:
+            shape = torch.broadcast_shapes(ref.shape, cand.shape)
+        except RuntimeError:
+            check_shapes(label, what, ref, cand)
+        return ref.expand(shape), cand.expand(shape)
+    return ref, aligned(label, what, ref, cand)
+
+
 def _squeeze_leading(shape: torch.Size) -> tuple[int, ...]:
     dims = list(shape)
     while dims and dims[0] == 1:
@@ -282,4 +304,4 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return True
 
 
-__all__ = ["Experiments", "aligned", "check_shapes", "relative", "same_bits"]
+__all__ = ["Experiments", "aligned", "check_shapes", "comparable", "relative", "same_bits"]

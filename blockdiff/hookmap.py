@@ -9,6 +9,10 @@ A model no map matches is mapped by :mod:`.autodetect`.
 >>> layout = resolve(model)                                  # doctest: +SKIP
 >>> layout.blocks[0].subpaths["attention"]                   # doctest: +SKIP
 ['model.layers.0.self_attn']
+
+A map may also say, per module it names (``[modules."PATH"]``), which keyword arguments
+carry activations, which of the module's calls are sites, and whether its output is
+compared after broadcasting: :class:`ModuleOptions`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,51 @@ else:  # pragma: no cover
 AUTO_DETECTED = "auto-detected"
 
 
+# ``calls`` of a module: every call is a site (the default), or only the first.
+EACH_CALL = "each"
+FIRST_CALL = "first"
+
+
+@dataclass(frozen=True)
+class ModuleOptions:
+    """``[modules."PATH"]`` of a hook map: how one module it names is recorded and compared.
+
+    Attributes:
+        activations: keyword arguments that carry activations besides the built-in names
+            (:data:`~blockdiff.site.HIDDEN_KWARGS`): the first one passed is the hidden
+            state. TransformerLens attention takes ``query_input``, ``key_input``,
+            ``value_input``. ``()`` (``activations = []``): the module takes no
+            activation and always runs on its own arguments (TransformerLens'
+            ``pos_embed`` reads only the number of tokens from its input); ``None``: the
+            map names none, the built-in rules apply.
+        calls: which calls of the module are sites: ``"each"`` (every call, its own
+            ordinal), ``"first"``, or a call index (0-based, counted per forward). The
+            other calls are not recorded and take no ordinal: TransformerLens calls
+            ``ln1`` three times per block (for q, k and v), Hugging Face GPT-2 ``ln_1`` once.
+        broadcast: the output is compared with the other side's after broadcasting
+            (``[B, T, D]`` against ``[1, T, D]``) instead of refused as a shape mismatch.
+    """
+
+    activations: tuple[str, ...] | None = None
+    calls: str | int = EACH_CALL
+    broadcast: bool = False
+
+    def selects(self, call: int) -> bool:
+        """Whether call number ``call`` (0-based) of the module is a site."""
+        if self.calls == EACH_CALL:
+            return True
+        return call == (0 if self.calls == FIRST_CALL else self.calls)
+
+    def to_dict(self) -> dict[str, Any]:
+        activations = None if self.activations is None else list(self.activations)
+        return {"activations": activations, "calls": self.calls, "broadcast": self.broadcast}
+
+
+DEFAULT_OPTIONS = ModuleOptions()
+MODULE_KEYS = ("activations", "calls", "broadcast")
+MAP_KEYS = ("name", "description", "match", "prefix", "optional", "outside", "blocks", "modules")
+
+
 @dataclass(frozen=True)
 class HookMap:
     """A hook map as written in TOML, not yet applied to a model."""
@@ -51,6 +100,9 @@ class HookMap:
     # router), router output format, and an optional capacity attribute path relative to
     # the MoE module (the router's parent): an int, or a callable taking the token count.
     moe: dict[str, Any] = field(default_factory=dict)
+    # [modules."PATH"]: options of modules the map names, by the path as written
+    # (relative to a block for sub-path modules).
+    modules: dict[str, ModuleOptions] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +126,12 @@ class Layout:
     hook_map: HookMap
     outside: list[tuple[str, str]]
     blocks: list[BlockLayout]
+    # Options of the modules the map gave any (``[modules]``), by full module path.
+    modules: dict[str, ModuleOptions] = field(default_factory=dict)
+
+    def options(self, path: str) -> ModuleOptions:
+        """The :class:`ModuleOptions` of the module at ``path`` (the defaults when none)."""
+        return self.modules.get(path, DEFAULT_OPTIONS)
 
     def site_of(self) -> dict[str, tuple[str, int | None, str | None]]:
         """Module path → (stage, block, subpath) for every module that is a site."""
@@ -98,6 +156,7 @@ class Layout:
                 {"index": b.index, "module": b.path, "stack": b.stack, "subpaths": b.subpaths, "unmapped": b.unmapped, "moe": b.moe}
                 for b in self.blocks
             ],
+            **({"modules": {p: o.to_dict() for p, o in self.modules.items()}} if self.modules else {}),
         }
 
 
@@ -123,6 +182,11 @@ def parse(text: str, *, source: str) -> HookMap:
             source=source,
         )
 
+    unknown = sorted(set(data) - set(MAP_KEYS))
+    if unknown:
+        raise HookMapError(
+            f"hook map {source}: unknown key {unknown[0]!r}; expected {', '.join(MAP_KEYS)}", source=source
+        )
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise HookMapError(f"hook map {source}: missing 'name' (a string)", source=source)
@@ -131,6 +195,12 @@ def parse(text: str, *, source: str) -> HookMap:
         raise HookMapError(
             f"hook map {source}: missing [blocks] table with 'path' (the block list)", source=source
         )
+    unknown = sorted(set(blocks) - {"path", "subpaths", "moe"})
+    if unknown:
+        raise HookMapError(
+            f"hook map {source}: unknown key {unknown[0]!r} in [blocks]; expected path, subpaths, moe", source=source
+        )
+
     def table(value: Any, key: str, allowed: tuple[str, ...], what: str, hint: str = "") -> dict:
         if not isinstance(value, dict):
             raise HookMapError(f"hook map {source}: [{key}] must be a table", source=source)
@@ -162,7 +232,49 @@ def parse(text: str, *, source: str) -> HookMap:
         prefix=prefix,
         description=str(data.get("description", "")),
         moe=_parse_moe(blocks.get("moe", {}), source),
+        modules=_parse_modules(data.get("modules", {}), source, raw_outside, raw_subpaths, strings),
     )
+
+
+def _parse_modules(raw: Any, source: str, outside: dict, subpaths: dict, strings: Any) -> dict[str, ModuleOptions]:
+    """``[modules."PATH"]`` tables: options of modules named in [outside] or
+    [blocks.subpaths], by the path as written there."""
+    if not isinstance(raw, dict):
+        raise HookMapError(f"hook map {source}: [modules] must be a table of module paths", source=source)
+    named = {p for v in [*outside.values(), *subpaths.values()] for p in ([v] if isinstance(v, str) else v)}
+    found: dict[str, ModuleOptions] = {}
+    for path, options in raw.items():
+        where = f'[modules."{path}"]'
+        if path not in named:
+            raise HookMapError(
+                f"hook map {source}: {where} names a module the map does not name in [outside] "
+                "or [blocks.subpaths] (paths are written as there)",
+                source=source,
+            )
+        if not isinstance(options, dict):
+            raise HookMapError(f"hook map {source}: {where} must be a table", source=source)
+        unknown = sorted(set(options) - set(MODULE_KEYS))
+        if unknown:
+            raise HookMapError(
+                f"hook map {source}: unknown key {unknown[0]!r} in {where}; expected {', '.join(MODULE_KEYS)}",
+                source=source,
+            )
+        calls = options.get("calls", EACH_CALL)
+        if not (calls in (EACH_CALL, FIRST_CALL) or (type(calls) is int and calls >= 0)):
+            raise HookMapError(
+                f"hook map {source}: {where} calls must be \"each\", \"first\" or a call index (0, 1, ...), "
+                f"found {calls!r}",
+                source=source,
+            )
+        broadcast = options.get("broadcast", False)
+        if not isinstance(broadcast, bool):
+            raise HookMapError(f"hook map {source}: {where} broadcast must be true or false, found {broadcast!r}", source=source)
+        found[path] = ModuleOptions(
+            activations=None if "activations" not in options else strings(options["activations"], f"{where} activations"),
+            calls=calls,
+            broadcast=broadcast,
+        )
+    return found
 
 
 def _parse_moe(raw: Any, source: str) -> dict[str, str]:
@@ -207,10 +319,13 @@ def load(path: str | Path) -> HookMap:
 
 def bundled() -> list[HookMap]:
     """The hook maps shipped with blockdiff (``hooks/*.toml``), sorted by name."""
-    try:
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "hooks").is_dir():
+        # A source checkout reads its own maps, even where an editable install of another
+        # checkout maps blockdiff.hooks elsewhere.
+        folder: Any = checkout / "hooks"
+    else:
         folder = resources.files("blockdiff.hooks")
-    except ModuleNotFoundError:  # a checkout on sys.path without an install
-        folder = Path(__file__).resolve().parent.parent / "hooks"
     maps = []
     for entry in folder.iterdir():
         if entry.name.endswith(".toml"):
@@ -276,14 +391,17 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
         )
 
     outside: list[tuple[str, str]] = []
+    options: dict[str, ModuleOptions] = {}
     for stage in OUTSIDE_STAGES:
         for path in hook_map.outside.get(stage, ()):
             found = lookup(path)
             if found is None:
-                if stage in hook_map.optional:
+                if stage in hook_map.optional or path in hook_map.optional:
                     continue
                 raise missing(f"{stage} module", path)
             outside.append((stage, found))
+            if path in hook_map.modules:
+                options[found] = hook_map.modules[path]
 
     blocks: list[BlockLayout] = []
     for stack_path in hook_map.blocks:
@@ -310,6 +428,8 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
                             continue  # absent in this block (an encoder block has no cross-attention)
                         raise missing(f"{subpath} module", f"{block_path}.{rel}")
                     paths.append(full)
+                    if rel in hook_map.modules:
+                        options[full] = hook_map.modules[rel]
                 if paths:
                     layout.subpaths[subpath] = paths
             layout.unmapped = _unmapped(modules, block_path, layout.subpaths)
@@ -322,7 +442,7 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
             blocks.append(layout)
     if not blocks:
         raise HookMapError(f"hook map {hook_map.name}: the block list is empty", source=hook_map.source)
-    return Layout(hook_map=hook_map, outside=outside, blocks=blocks)
+    return Layout(hook_map=hook_map, outside=outside, blocks=blocks, modules=options)
 
 
 COMPILED = "_orig_mod"  # where torch.compile's OptimizedModule keeps the module it wraps
@@ -379,9 +499,17 @@ def layout_from_dict(data: dict[str, Any]) -> Layout:
             for b in data["blocks"]
         ]
         outside = [(str(o["stage"]), str(o["module"])) for o in data["outside"]]
+        modules = {
+            str(path): ModuleOptions(
+                activations=None if o.get("activations") is None else tuple(str(a) for a in o["activations"]),
+                calls=o.get("calls", EACH_CALL),
+                broadcast=bool(o.get("broadcast", False)),
+            )
+            for path, o in data.get("modules", {}).items()
+        }
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise HookMapError(f"stored layout is malformed ({type(exc).__name__}: {exc})") from None
-    return Layout(hook_map=hook_map, outside=outside, blocks=blocks)
+    return Layout(hook_map=hook_map, outside=outside, blocks=blocks, modules=modules)
 
 
 def __getattr__(name: str) -> Any:

@@ -93,7 +93,7 @@ class Localizer:
 
     def stages(self) -> Iterator[StageResult]:
         """Local errors and drift of the sites outside blocks (embed, context, final norm, head)."""
-        pairs = pair_outside(self.ref.store, self.cand.store)
+        pairs = pair_outside(self.ref.store, self.cand.store, self.ref.layout, self.cand.layout)
         for r, c in pairs:
             self.nonfinite.see(r, c)
             if self.cand.live:

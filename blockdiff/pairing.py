@@ -7,7 +7,7 @@ both stores at once (:func:`pair_block`), so localization holds one block at a t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from .errors import PairingError
@@ -41,11 +41,30 @@ def in_order(sites: dict[SiteKey, Site]) -> list[tuple[SiteKey, Site]]:
     return sorted(sites.items(), key=lambda kv: kv[1].order)
 
 
-def pair_outside(reference: SiteStore, candidate: SiteStore) -> list[tuple[Site, Site]]:
+def with_activations(sites: list[Site], layout: Layout | None) -> dict[SiteKey, Site]:
+    """``sites`` by key, each knowing the activation keywords its hook map names for its
+    module (``[modules."PATH"] activations``). Capture records them; a site read from a
+    dump does not, and gets them from the layout the dump stores."""
+    found = {}
+    for site in sites:
+        if site.activations is None and layout is not None:
+            names = layout.options(site.module).activations
+            if names is not None:
+                site = replace(site, activations=names)
+        found[site.key] = site
+    return found
+
+
+def pair_outside(
+    reference: SiteStore,
+    candidate: SiteStore,
+    ref_layout: Layout | None = None,
+    cand_layout: Layout | None = None,
+) -> list[tuple[Site, Site]]:
     """The (reference, candidate) sites outside blocks — embed, context, final norm,
     head — in execution order."""
-    ref = {s.key: s for s in reference.outside_sites()}
-    cand = {s.key: s for s in candidate.outside_sites()}
+    ref = with_activations(reference.outside_sites(), ref_layout)
+    cand = with_activations(candidate.outside_sites(), cand_layout)
     check_paired(ref, cand)
     return [(r, cand[key]) for key, r in in_order(ref)]
 
@@ -125,8 +144,8 @@ def pair_block(
     Raises:
         PairingError: the block's own call, or a sub-path's site, is on one side only.
     """
-    ref = {s.key: s for s in reference.block_sites(index)}
-    cand = {s.key: s for s in candidate.block_sites(index)}
+    ref = with_activations(reference.block_sites(index), ref_layout)
+    cand = with_activations(candidate.block_sites(index), cand_layout)
     block_key = SiteKey.of_block(index)
     if block_key not in ref or block_key not in cand:
         raise PairingError(f"block {index}: the block's own call was not recorded on both sides")
@@ -164,4 +183,5 @@ __all__ = [
     "outside_position",
     "pair_block",
     "pair_outside",
+    "with_activations",
 ]

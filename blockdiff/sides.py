@@ -205,7 +205,7 @@ class LiveSide:
                 role: replayed_copy(t, device, self.cast or (own[role].dtype if role in own else None))
                 for role, t in hidden.items()
             }
-            args, kwargs = with_hidden(args, kwargs, hidden)
+            args, kwargs = with_hidden(args, kwargs, hidden, call.activations)
         return args, kwargs
 
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
@@ -227,17 +227,24 @@ class LiveSide:
         device, cast = self.device, self.cast
         reached: dict[tuple[str, int], torch.Tensor] = {}
         counters: dict[str, int] = {}
-        current: dict[str, tuple[str, int]] = {}
+        seen: dict[str, int] = {}  # calls of each module so far
+        current: dict[str, tuple[str, int] | None] = {}
         handles = []
         patched: list[tuple[nn.Module, Any]] = []
         missing = object()
 
         def pre(rel: str, subpath: str) -> Callable:
+            options = self.layout.options(f"{path}.{rel}")
+
             def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                call = seen[rel] = seen.get(rel, -1) + 1
+                if not options.selects(call):  # not a site (the map's `calls`): it computes
+                    current[rel] = None
+                    return None
                 ordinal = counters.get(subpath, 0)
                 counters[subpath] = ordinal + 1
                 current[rel] = (subpath, ordinal)
-                loc = hidden_location(args, kwargs)
+                loc = hidden_location(args, kwargs, options.activations)
                 if loc is not None:
                     tensor = args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]]
                     reached[(subpath, ordinal)] = recorded_copy(tensor)

@@ -39,6 +39,12 @@ SECONDARY_HIDDEN = ("encoder_hidden_states", "key_value_states")
 # ([batch, heads, q, k]) and rotary tables ([seq, head_dim]) do not match, and stay the
 # side's own. Such an activation's role is ``"arg<i>"``, ``i`` its position.
 POSITIONAL_ROLE = "arg{}"
+# A hook map may name more activation keywords per module (``activations``, see
+# hookmap.ModuleOptions): TransformerLens attention takes query_input, key_input and
+# value_input. Each is a role under its own name; the first one passed is also the
+# hidden state ("primary") when there is no positional one. ``None``: the map names
+# none (the rules above); ``()``: the map says the module takes no activation at all
+# (TransformerLens' positional embedding reads only the number of tokens from its input).
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,9 @@ class Site:
         ordinal: index among the sites of the same (stage, block, subpath).
         args, kwargs, output: snapshots of the call.
         order: position of the call's start among all sites of the forward.
+        activations: keyword arguments the hook map names as activations of this
+            module, ``()`` for none at all, ``None`` when it names none (see
+            :func:`hidden_states`).
     """
 
     stage: str
@@ -97,6 +106,7 @@ class Site:
     kwargs: dict = field(default_factory=dict)
     output: Any = None
     order: int = 0
+    activations: tuple[str, ...] | None = None
 
     @property
     def key(self) -> "SiteKey":
@@ -109,11 +119,11 @@ class Site:
 
     def hidden_input(self) -> torch.Tensor | None:
         """The tensor this call received as its hidden state (see :func:`hidden_location`)."""
-        return hidden_states(self.args, self.kwargs).get("primary")
+        return hidden_states(self.args, self.kwargs, self.activations).get("primary")
 
     def hidden_inputs(self) -> dict[str, torch.Tensor]:
         """Every activation this call received, by role (see :func:`hidden_states`)."""
-        return hidden_states(self.args, self.kwargs)
+        return hidden_states(self.args, self.kwargs, self.activations)
 
     def primary_output(self) -> torch.Tensor | None:
         return primary_tensor(self.output)
@@ -235,29 +245,36 @@ def primary_tensor(obj: Any) -> torch.Tensor | None:
     return next(iter_tensors(obj), None)
 
 
-def hidden_location(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
+def hidden_location(args: tuple, kwargs: dict, names: tuple[str, ...] | None = None) -> tuple[str, Any] | None:
     """Where a call passes its hidden state: the first positional tensor argument, or
-    else the first of :data:`HIDDEN_KWARGS` present as a tensor."""
+    else the first of ``names`` (the hook map's activations of the module), then of
+    :data:`HIDDEN_KWARGS`, present as a tensor; nowhere when ``names`` is ``()``."""
+    if names == ():
+        return None
     if args and isinstance(args[0], torch.Tensor):
         return ("arg", 0)
-    for name in HIDDEN_KWARGS:
+    for name in (*(names or ()), *HIDDEN_KWARGS):
         if isinstance(kwargs.get(name), torch.Tensor):
             return ("kwarg", name)
     return None
 
 
-def hidden_states(args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+def hidden_states(args: tuple, kwargs: dict, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     """The activations a call receives, by role: ``"primary"`` (see :func:`hidden_location`),
-    each of :data:`SECONDARY_HIDDEN` passed as a tensor, under its own name, and positional
-    arguments that look like the hidden state, as ``"arg<i>"`` (see :data:`POSITIONAL_ROLE`)."""
+    each of :data:`SECONDARY_HIDDEN` and of ``names`` (the hook map's activations of the
+    module) passed as a tensor, under its own name, and positional arguments that look
+    like the hidden state, as ``"arg<i>"`` (see :data:`POSITIONAL_ROLE`)."""
     found: dict[str, torch.Tensor] = {}
-    loc = hidden_location(args, kwargs)
+    loc = hidden_location(args, kwargs, names)
     if loc is None:
         return found
     primary = args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]]
     found["primary"] = primary
-    for name in SECONDARY_HIDDEN:
-        if isinstance(kwargs.get(name), torch.Tensor) and loc[1] != name:
+    # A named activation keeps its role even when it is the primary: the other side
+    # replaces it by name.
+    names = names or ()
+    for name in (*SECONDARY_HIDDEN, *names):
+        if isinstance(kwargs.get(name), torch.Tensor) and (loc[1] != name or name in names):
             found[name] = kwargs[name]
     for i, value in enumerate(args):
         if loc != ("arg", i) and _like_hidden(value, primary):
@@ -275,11 +292,25 @@ def _like_hidden(value: Any, primary: torch.Tensor) -> bool:
     )
 
 
-def with_hidden(args: tuple, kwargs: dict, hidden: dict[str, torch.Tensor]) -> tuple[tuple, dict]:
+def with_hidden(
+    args: tuple, kwargs: dict, hidden: dict[str, torch.Tensor], names: tuple[str, ...] | None = None
+) -> tuple[tuple, dict]:
     """A copy of the call with its activations replaced, role by role (roles the call
-    does not have are ignored)."""
+    does not have are ignored).
+
+    ``names`` are the hook map's activations of the called module: one that ``hidden``
+    does not hold by name takes its hidden state. A Hugging Face attention's one hidden
+    state is what TransformerLens passes as each of ``query_input``, ``key_input`` and
+    ``value_input``. With ``names`` ``()`` the module takes no activation: the call is
+    returned as it is.
+    """
     args, kwargs = tuple(args), dict(kwargs)
-    loc = hidden_location(args, kwargs)
+    if names == ():
+        return args, kwargs
+    loc = hidden_location(args, kwargs, names)
+    if "primary" in hidden:
+        named = {n: hidden["primary"] for n in names or () if isinstance(kwargs.get(n), torch.Tensor)}
+        hidden = {**named, **hidden}
     for role, tensor in hidden.items():
         if role == "primary":
             if loc is None:
