@@ -349,6 +349,13 @@ def report_command(report_path: str, plot_path: str | None, html_path: str | Non
 @_apply(model_options)
 @click.option("--hooks", "hooks_path", type=click.Path(dir_okay=False), help="Hook map TOML (default: found by class name).")
 @click.option("--compress", type=click.Choice(["lzf", "gzip"]), default=None, help="Compress the tensors [default: off].")
+@click.option(
+    "--floors",
+    metavar="DTYPE[@DEVICE],...",
+    default=None,
+    help="Measure every check's noise floor at these precisions and store them in the dump, so that "
+    "replaying a candidate in one of them is calibrated like a live diff (device default: --device).",
+)
 @debug_option
 def capture_command(
     model: str,
@@ -361,6 +368,7 @@ def capture_command(
     tokens: str | None,
     hooks_path: str | None,
     compress: str | None,
+    floors: str | None,
 ) -> None:
     """Run MODEL once and stream every site into an HDF5 dump.
 
@@ -372,15 +380,22 @@ def capture_command(
     Examples:
       blockdiff capture samples/tinylm.py:build --out ref.h5
       blockdiff capture mypkg.models:build --device cuda --dtype bfloat16 --out gpu.h5 --compress lzf
+      blockdiff capture samples/tinylm.py:build --out golden.h5 --floors bfloat16,float16
+      blockdiff diff golden.h5 samples/bugs.py:gelu_for_silu --cand-dtype bfloat16
     """
     from . import engine, hookmap
     from .loading import build_model, parse_device, parse_dtype
 
     r_device, r_dtype = parse_device(device), parse_dtype(dtype)
+    precisions = []
+    for entry in (floors or "").split(","):
+        if entry.strip():
+            name, _, at = entry.strip().partition("@")
+            precisions.append((parse_dtype(name), parse_device(at) if at else r_device))
     hook_map = hookmap.load(hooks_path) if hooks_path else None
     built = build_model(model, device=r_device, dtype=r_dtype)
     ids = engine.inputs_for(built, hook_map, tokens or engine.RandomTokens(batch=batch, seq=seq, seed=seed))
-    engine.capture(built, ids, out, hooks=hook_map, compress=compress, label=model)
+    engine.capture(built, ids, out, hooks=hook_map, compress=compress, label=model, floors=precisions)
     click.echo(f"wrote {out}")
 
 

@@ -40,6 +40,7 @@ from .loading import is_dump
 from .localize import Localizer, NonfiniteScan
 from .pairing import check_block_counts
 from .report import Report
+from .site import describe_key
 from .sides import DumpSide, LiveSide, Side, compiled_code_limits, describe, versions
 from .store import MemoryStore, release_freed_memory
 from .experiments import StoredFloors
@@ -454,6 +455,9 @@ def measure_floors(side: LiveSide, store: MemoryStore, inputs: Inputs, dtype: to
     with torch.inference_mode():
         list(localizer.stages())
         list(localizer.blocks())
+        # Drift floors of every site, for offline comparisons (a diff judges block outputs').
+        for site in [*store.outside_sites(), *(s for i in store.block_indices() for s in store.block_sites(i))]:
+            experiments.with_floor(f"drift:{describe_key(site.key)}", lambda side, site=site: experiments.free_run_floor(site))
     return experiments.measured
 
 

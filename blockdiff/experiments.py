@@ -115,10 +115,11 @@ class Experiments:
         drift = self.drift(r, c)
         if drift is None:
             return None
-        floor = self.with_floor(f"drift:{describe_key(r.key)}", lambda side: self._free_run_floor(r))
+        floor = self.with_floor(f"drift:{describe_key(r.key)}", lambda side: self.free_run_floor(r))
         return Check(DRIFT, c.module, drift, self.tolerance.threshold(DRIFT, self.dtype, floor))
 
-    def _free_run_floor(self, r: Site) -> float | None:
+    def free_run_floor(self, r: Site) -> float | None:
+        """Drift of the reference's free run at the candidate's precision at site ``r``."""
         own = self._free_run_site(r)
         floor_drift = None if own is None else self.drift(r, own)
         return None if floor_drift is None else floor_drift.rel_l2

@@ -27,7 +27,16 @@ if TYPE_CHECKING:
     from .report import Report
     from .tolerance import Tolerance
 
-__all__ = ["assert_matches_golden", "obtained_path", "inputs_digest", "inputs_match", "replay", "still_holds", "write"]
+__all__ = [
+    "assert_matches_golden",
+    "obtained_path",
+    "inputs_digest",
+    "inputs_match",
+    "precisions",
+    "replay",
+    "still_holds",
+    "write",
+]
 
 
 def _shown(path: Path, relative_to: str | Path | None) -> str:
@@ -75,21 +84,57 @@ def replay(
     return run(Path(golden), model, options=Options(tolerance=tolerance, candidate_hooks=hooks, fast_path=fast_path))
 
 
-def write(golden: str | Path, model: nn.Module, inputs: Inputs, *, hooks: HookMap | None) -> None:
-    """Capture ``model`` on ``inputs`` as the dump ``golden``."""
+def precisions(floors: Sequence[str], model: nn.Module) -> list[tuple[Any, Any]]:
+    """``["bfloat16", "float16@cuda"]`` as (dtype, device) pairs; the device defaults to
+    the model's."""
+    from .dtypes import parse_dtype
+    from .inputs import model_device
+
+    import torch
+
+    found = []
+    for entry in floors:
+        name, _, device = str(entry).partition("@")
+        found.append((parse_dtype(name), torch.device(device) if device else model_device(model)))
+    return found
+
+
+def _labels(floors: Sequence[str], model: nn.Module) -> set[str]:
+    from .dtypes import dtype_name
+
+    return {f"{dtype_name(dtype)}@{device}" for dtype, device in precisions(floors, model)}
+
+
+def write(golden: str | Path, model: nn.Module, inputs: Inputs, *, hooks: HookMap | None, floors: Sequence[str] = ()) -> None:
+    """Capture ``model`` on ``inputs`` as the dump ``golden``, with the noise floors of
+    ``floors`` (see :func:`precisions`)."""
     from .engine import capture
 
-    capture(model, inputs, golden, hooks=hooks)
+    capture(model, inputs, golden, hooks=hooks, floors=precisions(floors, model))
 
 
 def still_holds(
-    golden: Path, model: nn.Module, inputs: Inputs, *, tolerance: Tolerance, hooks: HookMap | None, fast_path: bool
+    golden: Path,
+    model: nn.Module,
+    inputs: Inputs,
+    *,
+    tolerance: Tolerance,
+    hooks: HookMap | None,
+    fast_path: bool,
+    floors: Sequence[str] = (),
+    reference: nn.Module | None = None,
 ) -> bool:
     """Whether an existing ``golden`` still holds for ``model``: captured on the same
-    inputs, and nothing diverges. A missing, damaged or foreign golden does not."""
+    inputs, storing the floors asked for (measured for ``reference``'s device), and
+    nothing diverges. A missing, damaged or foreign golden does not."""
     if not golden.exists():
         return False
     try:
+        from .dump import DumpReader
+
+        with DumpReader(golden) as dump:
+            if not _labels(floors, reference if reference is not None else model) <= set(dump.floors()):
+                return False
         stored, given = inputs_match(golden, inputs)
         return stored == given and not replay(golden, model, tolerance=tolerance, hooks=hooks, fast_path=fast_path).diverged
     except BlockdiffError:

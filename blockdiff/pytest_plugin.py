@@ -36,6 +36,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -422,12 +423,16 @@ class GoldenFixture:
         name: str | None = None,
         hooks: HookMap | None = None,
         fast_path: bool = False,
+        floors: Sequence[str] = (),
+        reference: nn.Module | None = None,
         **tolerances: Any,
     ) -> Report | None:
         """Check ``model`` on ``inputs`` against this test's golden dump.
 
-        The model is replayed against the golden, block by block with sub-path verdicts,
-        judged by fixed thresholds (a dump has no live modules to calibrate with).
+        The model is replayed against the golden, block by block with sub-path verdicts.
+        A candidate at another precision than the golden's is judged against the noise
+        floors the golden stores for its precision (``floors``), as a live diff would be;
+        without them, against fixed thresholds.
 
         Args:
             model: the model under test.
@@ -437,11 +442,18 @@ class GoldenFixture:
                 are numbered (``<test id>.2.h5``).
             hooks: the model's hook map; found by class name when ``None``.
             fast_path: as for :func:`blockdiff.diff`.
+            floors: precisions (``"bfloat16"``, ``"float16@cuda"``) whose noise floors the
+                golden stores, measured when ``--blockdiff-update`` writes it.
+            reference: the trusted model the golden is captured from under
+                ``--blockdiff-update`` (default: ``model``): a float32 reference for a
+                bfloat16 ``model``, say.
             **tolerances: ``policy=`` and thresholds, after the marker and the options.
 
         Returns:
             The replay's report; ``None`` under ``--blockdiff-update`` (nothing compared
             or the golden was rewritten).
+
+        >>> blockdiff_golden.check(model.to(torch.bfloat16), ids, floors=["bfloat16"], reference=model)  # doctest: +SKIP
         """
         __tracebackhide__ = True
         if name is None:
@@ -451,7 +463,9 @@ class GoldenFixture:
         settings = _settings(self._item, self._state, tolerances)
         assertion.tolerance_from(settings)  # a bad name fails now, under --blockdiff-update too
         if self._state.update:
-            self._update(golden, model, inputs, hooks=hooks, fast_path=fast_path, settings=settings)
+            self._update(
+                golden, model, inputs, hooks=hooks, fast_path=fast_path, settings=settings, floors=floors, reference=reference
+            )
             return None
         shown = self._state.shown(golden)
         update = _update_command(self._item)
@@ -508,17 +522,23 @@ class GoldenFixture:
         hooks: Any,
         fast_path: bool,
         settings: dict[str, Any],
+        floors: Sequence[str],
+        reference: Any,
     ) -> None:
-        """Queue a capture of ``model`` as ``golden``, unless the existing golden still
-        holds (same inputs, no divergence): rewriting it would only change its timestamp."""
+        """Queue a capture of ``reference`` (or ``model``) as ``golden``, unless the
+        existing golden still holds (same inputs, the floors asked for, no divergence):
+        rewriting it would only change its timestamp."""
         __tracebackhide__ = True
         tolerance = assertion.tolerance_from(settings)
-        if golden_files.still_holds(golden, model, inputs, tolerance=tolerance, hooks=hooks, fast_path=fast_path):
+        source = model if reference is None else reference
+        if golden_files.still_holds(
+            golden, model, inputs, tolerance=tolerance, hooks=hooks, fast_path=fast_path, floors=floors, reference=source
+        ):
             self._state.unchanged.append(golden)
             golden_files.obtained_path(golden).unlink(missing_ok=True)
             return
         staged = self._state.staged_path()
-        golden_files.write(staged, model, inputs, hooks=hooks)
+        golden_files.write(staged, source, inputs, hooks=hooks, floors=floors)
         self._state.queue(golden, staged)
 
 

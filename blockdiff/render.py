@@ -101,7 +101,7 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
     console.print(
         f"[bold]blockdiff[/] reference {escape(ref['model'])} ({ref['device']}, {ref['dtype']}) "
         f"vs candidate {escape(cand['model'])} ({cand['device']}, {cand['dtype']}); "
-        f"tolerance {view.report.tolerance['policy']}",
+        f"tolerance {view.tolerance}",
         highlight=False,
     )
     for note in view.report.notes:

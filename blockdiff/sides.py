@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -112,7 +113,6 @@ def versions(model: nn.Module) -> dict[str, str]:
     package that defines a module class of ``model``: what a dump records, so that a replay
     under other versions (code moved between a module and its caller) can say so."""
     import importlib.metadata
-    import sys
 
     found = {"torch": torch.__version__}
     roots = {type(m).__module__.split(".")[0] for m in model.modules()}
@@ -391,10 +391,12 @@ def compiled_code_limits(*models: nn.Module) -> Iterator[None]:
       experiment would judge code the candidate does not run. Within a run the limits are
       raised, and hitting one raises instead of falling back.
     """
+    if not any(compile_context(module) is not None for model in models for module in model.modules()):
+        yield  # no compiled code: nothing to guard (and dynamo is not imported)
+        return
     from torch._dynamo import config
 
-    if any(compile_context(module) is not None for model in models for module in model.modules()):
-        torch.compiler.reset()
+    torch.compiler.reset()
     with config.patch(
         recompile_limit=max(config.recompile_limit, 4096),
         accumulated_recompile_limit=max(config.accumulated_recompile_limit, 65536),
@@ -408,6 +410,8 @@ def compile_context(module: nn.Module) -> Any:
     """The ``torch.compile`` context (backend and options) ``module`` runs under when it is
     compiled itself — an ``OptimizedModule``, or compiled in place with
     ``module.compile()`` — else ``None``."""
+    if "torch._dynamo" not in sys.modules:
+        return None  # nothing was ever compiled in this process
     from torch._dynamo.eval_frame import OptimizedModule, _TorchDynamoContext
 
     if isinstance(module, OptimizedModule):

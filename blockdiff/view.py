@@ -334,6 +334,13 @@ class View:
         )
 
     @property
+    def tolerance(self) -> str:
+        """The policy as the header names it: ``fixed``, ``calibrated``, ``calibrated (stored floors)``."""
+        policy = str(self.report.tolerance.get("policy"))
+        stored = str(self.report.tolerance.get("floors", "")).startswith("stored")
+        return f"{policy} (stored floors)" if stored else policy
+
+    @property
     def drift_only(self) -> bool:
         """Whether only drift was computed (two dumps compared offline): the cells are drift."""
         statuses = {r.status for b in self.report.blocks for r in b.subpaths.values()} - {"absent"}
