@@ -112,7 +112,24 @@ model_options = [
         type=click.Path(dir_okay=False),
         help="Token ids from a .json list of lists or a .safetensors file with input_ids (overrides --batch/--seq/--seed).",
     ),
+    click.option(
+        "--inputs",
+        "inputs_path",
+        type=click.Path(dir_okay=False),
+        help="Named inputs passed as keyword arguments (input_ids, attention_mask, decoder_input_ids, pixel_values, ...): "
+        "every tensor of a .safetensors file, or a .json object of arrays.",
+    ),
 ]
+
+
+def _inputs_spec(tokens: str | None, inputs_path: str | None, batch: int, seq: int, seed: int):
+    from . import engine
+
+    if tokens and inputs_path:
+        raise click.UsageError("give --tokens or --inputs, not both")
+    if inputs_path:
+        return engine.InputsFile(inputs_path)
+    return tokens or engine.RandomTokens(batch=batch, seq=seq, seed=seed)
 
 
 def _apply(options: list) -> Callable:
@@ -169,6 +186,7 @@ def diff_command(
     seq: int,
     seed: int,
     tokens: str | None,
+    inputs_path: str | None,
     hooks_path: str | None,
     ref_hooks: str | None,
     cand_hooks: str | None,
@@ -242,7 +260,7 @@ def diff_command(
     report = engine.run(
         side(reference, r_device, r_dtype),
         side(cand_spec, c_device, c_dtype),
-        tokens or engine.RandomTokens(batch=batch, seq=seq, seed=seed),
+        _inputs_spec(tokens, inputs_path, batch, seq, seed),
         options=engine.Options(
             tolerance=Tolerance(policy=policy, overrides=overrides),
             reference_hooks=hookmap.load(ref_hooks or hooks_path) if (ref_hooks or hooks_path) else None,
@@ -366,6 +384,7 @@ def capture_command(
     seq: int,
     seed: int,
     tokens: str | None,
+    inputs_path: str | None,
     hooks_path: str | None,
     compress: str | None,
     floors: str | None,
@@ -394,7 +413,7 @@ def capture_command(
             precisions.append((parse_dtype(name), parse_device(at) if at else r_device))
     hook_map = hookmap.load(hooks_path) if hooks_path else None
     built = build_model(model, device=r_device, dtype=r_dtype)
-    ids = engine.inputs_for(built, hook_map, tokens or engine.RandomTokens(batch=batch, seq=seq, seed=seed))
+    ids, _ = engine.inputs_for(built, hook_map, _inputs_spec(tokens, inputs_path, batch, seq, seed))
     engine.capture(built, ids, out, hooks=hook_map, compress=compress, label=model, floors=precisions)
     click.echo(f"wrote {out}")
 

@@ -35,7 +35,18 @@ from .dump import DumpReader, DumpWriter
 from .dtypes import dtype_name
 from .errors import BlockdiffError, DumpError, InputError, ModelRunError
 from .hookmap import HookMap, Layout, resolve
-from .inputs import Inputs, check_inputs, check_vocab, digest, load_tokens, random_tokens
+from .inputs import (
+    Inputs,
+    check_inputs,
+    check_vocab,
+    complete_inputs,
+    digest,
+    load_inputs,
+    load_tokens,
+    pixel_input,
+    random_pixels,
+    random_tokens,
+)
 from .loading import is_dump
 from .localize import Localizer, NonfiniteScan
 from .pairing import check_block_counts
@@ -164,7 +175,10 @@ def run(
         return compare_dumps(ref_dump, cand_dump, **common)
     if ref_dump is not None:
         cand_model = _build("candidate", candidate)
-        given = None if inputs is None or isinstance(inputs, RandomTokens) else _concrete(inputs)
+        if isinstance(inputs, InputsFile):
+            given = load_inputs(inputs.path)
+        else:
+            given = None if inputs is None or isinstance(inputs, RandomTokens) else _concrete(inputs)
         return replay(
             ref_dump,
             cand_model,
@@ -176,10 +190,11 @@ def run(
         )
     ref_model = _build("reference", reference)
     cand_model = _build("candidate", candidate)
-    return diff(
+    concrete, made = inputs_for(ref_model, options.reference_hooks, inputs)
+    report = diff(
         ref_model,
         cand_model,
-        inputs_for(ref_model, options.reference_hooks, inputs),
+        concrete,
         reference_hooks=options.reference_hooks,
         candidate_hooks=options.candidate_hooks,
         fast_path=options.fast_path,
@@ -188,22 +203,43 @@ def run(
         stream=options.stream,
         **common,
     )
+    if made is not None:
+        report.notes.insert(0, f"inputs: {made}")
+    return report
 
 
 def _concrete(inputs: Inputs | str | Path) -> Inputs:
     return load_tokens(inputs) if isinstance(inputs, (str, Path)) else inputs
 
 
-def inputs_for(model: nn.Module, hooks: HookMap | None, inputs: Inputs | RandomTokens | str | Path | None) -> Inputs:
-    """Concrete inputs: as given, read from a token file, or random token ids within the
-    model's vocabulary."""
+@dataclass(frozen=True)
+class InputsFile:
+    """Named model inputs from a file (the CLI's ``--inputs``): see :func:`~blockdiff.inputs.load_inputs`."""
+
+    path: str | Path
+
+
+def inputs_for(
+    model: nn.Module, hooks: HookMap | None, inputs: Inputs | RandomTokens | InputsFile | str | Path | None
+) -> tuple[Inputs, str | None]:
+    """Concrete inputs, and a note when blockdiff made up part of them: inputs as given,
+    named inputs from a file, token ids from a token file, or random ones — token ids
+    within the model's vocabulary, or pixels for a vision encoder; token ids completed for
+    an encoder-decoder (:func:`~blockdiff.inputs.complete_inputs`)."""
+    if isinstance(inputs, InputsFile):
+        return load_inputs(inputs.path), None
     if inputs is not None and not isinstance(inputs, RandomTokens):
-        return _concrete(inputs)
+        return complete_inputs(model, _concrete(inputs))
     spec = inputs or RandomTokens()
+    pixels = pixel_input(model)
+    if pixels is not None:
+        name, shape = pixels
+        made = random_pixels(shape, batch=spec.batch, seed=spec.seed)
+        return {name: made}, f"random {name} of shape {list(made.shape)} (seed {spec.seed})"
     vocab = vocab_size(model, resolve(model, hooks))
     if vocab is None:
-        raise InputError("cannot tell the model's vocabulary size; give token ids (--tokens FILE)")
-    return random_tokens(batch=spec.batch, seq=spec.seq, vocab=vocab, seed=spec.seed)
+        raise InputError("cannot tell the model's vocabulary size; give token ids (--tokens FILE) or inputs (--inputs FILE)")
+    return complete_inputs(model, random_tokens(batch=spec.batch, seq=spec.seq, vocab=vocab, seed=spec.seed))
 
 
 # -- the modes --------------------------------------------------------------------------------

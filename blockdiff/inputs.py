@@ -155,6 +155,93 @@ def load_tokens(path: str | Path) -> torch.Tensor:
     return ids
 
 
+def load_inputs(path: str | Path) -> dict[str, torch.Tensor]:
+    """Named model inputs, passed as keyword arguments: every tensor of a ``.safetensors``
+    file, or a ``.json`` object mapping names to nested lists (integers become int64,
+    numbers with a fraction float32, booleans bool).
+
+    >>> load_inputs("batch.json")  # {"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 0]]}  # doctest: +SKIP
+
+    Raises:
+        InputError: missing file, not a regular file, other format, or nothing in it.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"inputs file {path}: no such file")
+    if not path.is_file():
+        raise InputError(f"inputs file {path}: not a regular file; expected a .json or .safetensors file")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            found = dict(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise InputError(f"inputs file {path}: not a readable safetensors file ({exc})") from None
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InputError(f"inputs file {path}: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise InputError(f"inputs file {path}: expected an object of named arrays, e.g. {{\"input_ids\": [[1, 2]]}}")
+        found = {}
+        for name, value in data.items():
+            try:
+                found[name] = torch.tensor(value)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise InputError(f"inputs file {path}: {name!r} is not a rectangular array of numbers ({exc})") from None
+            if found[name].dtype == torch.float64:
+                found[name] = found[name].float()
+    else:
+        raise InputError(f"inputs file {path}: expected a .json or .safetensors file")
+    if not found or any(t.numel() == 0 for t in found.values()):
+        raise InputError(f"inputs file {path}: holds no inputs (or an empty one)")
+    return found
+
+
+def complete_inputs(model: nn.Module, inputs: Inputs) -> tuple[Inputs, str | None]:
+    """Token ids completed into what ``model`` needs, and a note saying how; other inputs
+    as they are.
+
+    An encoder-decoder (``config.is_encoder_decoder``) given only token ids gets
+    ``decoder_input_ids`` derived as the model itself derives them from labels: the ids
+    shifted right after ``decoder_start_token_id``.
+    """
+    config = getattr(model, "config", None)
+    if not isinstance(inputs, torch.Tensor) or not getattr(config, "is_encoder_decoder", False):
+        return inputs, None
+    start = getattr(config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(config, "pad_token_id", None) or 0
+    decoder = torch.cat([torch.full_like(inputs[:, :1], int(start)), inputs[:, :-1]], dim=1)
+    note = (
+        f"decoder_input_ids derived from the input ids shifted right after decoder_start_token_id "
+        f"{int(start)}, as the model does from labels"
+    )
+    return {"input_ids": inputs, "decoder_input_ids": decoder}, note
+
+
+def pixel_input(model: nn.Module) -> tuple[str, tuple[int, ...]] | None:
+    """``("pixel_values", (channels, size, size))`` for a vision encoder that takes pixels
+    and no token ids (ViT, a CLIP or SigLIP vision tower), from its configuration."""
+    if _accepts(model, "input_ids") or not _accepts(model, "pixel_values"):
+        return None
+    config = getattr(model, "config", None)
+    config = getattr(config, "vision_config", None) or config
+    size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", 3)
+    if not isinstance(size, int):
+        return None
+    return "pixel_values", (int(channels), size, size)
+
+
+def random_pixels(shape: tuple[int, ...], *, batch: int, seed: int) -> torch.Tensor:
+    """Pixel values ~ N(0, 1) (already normalized, as an image processor returns them)."""
+    if batch < 1:
+        raise InputError(f"--batch must be at least 1, found {batch}")
+    return torch.randn((batch, *shape), generator=torch.Generator().manual_seed(seed))
+
+
 def check_vocab(ids: torch.Tensor, vocab: int | None, *, side: str) -> None:
     """Token ids must lie in ``[0, vocab)`` of the side's embedding."""
     if vocab is None or ids.is_floating_point():

@@ -430,6 +430,15 @@ def build_falcon() -> nn.Module:
     return build(family="falcon")
 
 
+def build_t5() -> nn.Module:
+    """An encoder-decoder: from the CLI, decoder ids are derived from the token ids."""
+    return build(family="t5")
+
+
+def build_bert() -> nn.Module:
+    return build(family="bert")
+
+
 def gpt_neox_sequential() -> nn.Module:
     """GPT-NeoX with block 1 computed sequentially instead of in parallel."""
     return residual_bug(family="gpt_neox")
