@@ -159,6 +159,31 @@ class Experiments:
         check.order = r.order
         return check
 
+    def children_checks(self, target: str, r: Site, c: Site) -> list[Check]:
+        """Drill-down: the module check one level down. Each leaf child the reference's
+        module calls (a projection, an activation, an inner norm) is judged as a module
+        is — the candidate's child on the reference child's inputs (its other arguments
+        its own), against the reference child's output — in the order they ran. Children
+        pair by their path below the sub-path's module and their call count; a child only
+        one side has is left out. Needs both sides live."""
+        ref_calls = self.ref.child_calls(r.module, r)
+        cand_calls = {(s.module[len(c.module) + 1 :], s.call): s for s in self.cand.child_calls(c.module, c, r.hidden_inputs())}
+        checks = []
+        for rc in ref_calls:
+            rel = rc.module[len(r.module) + 1 :]
+            cc = cand_calls.get((rel, rc.call))
+            ref_out, hidden = rc.primary_output(), rc.hidden_inputs()
+            if cc is None or ref_out is None or not hidden:
+                continue
+            out = self.module_output(self.cand, cc.module, cc, hidden)
+            expected, out = comparable(f"{describe_key(c.key)} {rel}", "output", ref_out, out)
+            floor = self.with_floor(
+                f"child:{describe_key(r.key)}:{rel}#{rc.call}",
+                lambda side, rc=rc, ref_out=ref_out: metrics(ref_out, self.module_output(side, rc.module, rc, None), dtype=self.dtype).rel_l2,
+            )
+            checks.append(self.check(target, f"child {rel}" + (f" #{rc.call}" if rc.call else ""), cc.module, expected, out, floor))
+        return checks
+
     # -- one block ---------------------------------------------------------------------
 
     def block_checks(self, pair: BlockPair, *, frozen: bool) -> list[Check]:

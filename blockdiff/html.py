@@ -28,6 +28,7 @@ from .errors import BlockdiffError
 from .plot import figure
 from .report import Report
 from .view import (
+    drill_down,
     LEGEND,
     MOE_COLUMNS,
     ROWS,
@@ -191,6 +192,9 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
                 "<p>The block diverges but no sub-path explains it: the hook map may be missing a "
                 "module; check it with <code>blockdiff arch</code>.</p>"
             )
+        drill = drill_down(first)
+        if drill is not None:
+            parts.append(f'<p id="drill-down">{_e(drill[0].upper() + drill[1:])}</p>')
     else:
         parts.append(
             '<p class="verdict clean" id="verdict"><strong>No divergence</strong>: '

@@ -174,6 +174,10 @@ class Localizer:
                 checks = self._judged(f"{where} {r.subpath} ({c.module})", lambda: moe_checks(exp, pair, r, c))
             else:
                 found = self._judged(f"{where} {r.subpath} ({c.module})", lambda: exp.module_check(r.subpath, r, c))
+                if found is not None and found.diverged and self.ref.live:
+                    found.children = self._judged(
+                        f"{where} {r.subpath} ({c.module}) children", lambda: exp.children_checks(r.subpath, r, c)
+                    )
                 checks = None if found is None else [found]
             if checks is None:
                 result.status = NOT_JUDGED

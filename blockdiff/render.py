@@ -33,6 +33,7 @@ from rich.text import Text
 from .hookmap import AUTO_DETECTED, Layout
 from .report import Report
 from .view import (
+    drill_down,
     LEGEND,
     MOE_COLUMNS,
     MOE_COUNTS,
@@ -120,6 +121,9 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
                 f"a module{escape(missing)}; check it with `blockdiff arch`, then {HOOKS_FIX}",
                 highlight=False,
             )
+        drill = drill_down(first)
+        if drill is not None:
+            console.print(f"  {escape(drill)}", highlight=False)
     _heatmap(view, console)
     if view.report.first_nonfinite is not None:
         nf = view.report.first_nonfinite

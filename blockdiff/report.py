@@ -46,6 +46,14 @@ class Check:
     # block's second norm): a divergence is placed by its first diverging check. Not in
     # the JSON, whose divergence list keeps the order.
     order: float | None = field(default=None, compare=False)
+    # Drill-down of a divergent module check: its leaf children judged one by one
+    # (Experiments.children_checks); None when not drilled.
+    children: list["Check"] | None = None
+
+    @property
+    def first_child(self) -> "Check | None":
+        """The first child, in the order they ran, that diverges (drilled checks only)."""
+        return next((c for c in self.children or [] if c.diverged), None)
 
     @property
     def measured(self) -> float:
@@ -105,6 +113,10 @@ class Check:
             out["tolerated"] = self.tolerated
         if self.details is not None:
             out["details"] = self.details
+        if self.children is not None:
+            out["children"] = [child.to_dict() for child in self.children]
+            first = self.first_child
+            out["first_child"] = None if first is None else first.module
         return out
 
     @classmethod
@@ -124,6 +136,7 @@ class Check:
             value=from_json_number(data["value"]) if "value" in data else None,
             metric=data.get("metric", "rel_l2"),
             details=data.get("details"),
+            children=[cls.from_dict(c) for c in data["children"]] if "children" in data else None,
         )
 
 

@@ -49,6 +49,7 @@ from .site import (
     replace_primary,
     recorded_copy,
     replayed_copy,
+    snapshot,
     with_hidden,
 )
 from .store import SiteStore
@@ -211,6 +212,51 @@ class LiveSide:
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
         args, kwargs = self._replay(call, hidden)
         return self.runnable(path)(*args, **kwargs)
+
+    def child_calls(self, path: str, call: Site, hidden: Hidden | None = None, *, depth: int = 2) -> list[Site]:
+        """Module ``path`` run on ``call`` (its activations replaced by ``hidden``), with
+        every call its leaf children up to ``depth`` levels down made, recorded: one site per
+        call, in the order they started, under the parent's stage, block and sub-path.
+        The hooks are added for this one run and removed in ``finally``."""
+        module = self.module(path)
+        leaves = {
+            rel: child
+            for rel, child in module.named_modules()
+            if rel and rel.count(".") < depth and next(child.children(), None) is None
+        }
+        found: list[Site] = []
+        open_: dict[str, list[Site]] = {}
+        calls: dict[str, int] = {}
+        handles = []
+
+        def pre(rel: str) -> Callable:
+            def hook(child: nn.Module, args: tuple, kwargs: dict) -> None:
+                site = Site(call.stage, call.block, call.subpath, f"{path}.{rel}", calls.get(rel, 0), len(found),
+                            snapshot(args), snapshot(kwargs), order=len(found))
+                calls[rel] = site.call + 1
+                found.append(site)
+                open_.setdefault(rel, []).append(site)
+                return None
+
+            return hook
+
+        def post(rel: str) -> Callable:
+            def hook(child: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+                open_[rel].pop().output = snapshot(output)
+                return None
+
+            return hook
+
+        try:
+            for rel, child in leaves.items():
+                handles.append(child.register_forward_pre_hook(pre(rel), with_kwargs=True))
+                handles.append(child.register_forward_hook(post(rel), with_kwargs=True))
+            args, kwargs = self._replay(call, hidden)
+            self.runnable(path, module)(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return found
 
     def run_block(
         self, path: str, call: Site, hidden: Hidden | None, modules: dict[str, str], frozen: Frozen | None

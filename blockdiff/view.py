@@ -80,6 +80,24 @@ def headline(divergence: Divergence) -> str:
     return divergence.headline()
 
 
+def drill_down(divergence: Divergence) -> str | None:
+    """What the drill-down of a divergent module found, in one line; ``None`` when the check
+    was not drilled (not a module check, or no live reference)."""
+    children = divergence.check.children
+    if children is None:
+        return None
+    first = divergence.check.first_child
+    if first is None:
+        return (
+            f"no child module diverges ({len(children)} checked): the cause is in "
+            f"{divergence.check.module}'s own code"
+        )
+    return (
+        f"first divergent child: {first.module}: {first.metric} {first.measured:.3g} > threshold "
+        f"{first.threshold.value:.3g} ({first.ratio:.1f}x)"
+    )
+
+
 def level(ratio: float | None, diverged: bool, status: str = "checked") -> str:
     """The heatmap class of one check: ``low``, ``near``, ``diverged`` or ``none``.
 

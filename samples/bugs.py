@@ -119,6 +119,15 @@ def head_untied_transposed() -> tinylm.TinyLM:
     return model
 
 
+def outlier_in_down_proj(*, block: int = 2, channel: int = 3, scale: float = 8.0) -> tinylm.TinyLM:
+    """One output channel of the block's FFN down projection scaled: the bug lives in a
+    child module, which the drill-down names."""
+    model = tinylm.build()
+    with torch.no_grad():
+        model.blocks[block].ffn.down_proj.weight[channel] *= scale
+    return model
+
+
 def nan_in_ffn(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyLM:
     """A down projection with a NaN weight: the candidate produces NaN in that block."""
     model = tinylm.build()

@@ -1,0 +1,82 @@
+"""Drill-down: a divergent module's leaf children judged one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import blockdiff
+from blockdiff import Report
+from blockdiff.view import drill_down
+from samples import bugs, hf_families, hf_llama, tinylm
+from tests.conftest import blamed, run_cli
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_bug_in_a_child_module_is_named(dtype, ids):
+    report = blockdiff.diff(tinylm.build(), bugs.outlier_in_down_proj(block=2).to(dtype), ids)
+    first = report.first_divergence
+    assert blamed(report) == ("block", 2, "ffn")
+    assert [c.what for c in first.check.children] == ["child gate_proj", "child up_proj", "child down_proj"]
+    assert first.check.first_child.module == "blocks.2.ffn.down_proj"
+    assert [c.diverged for c in first.check.children] == [False, False, True]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_hugging_face_activation_module_is_named(dtype, ids):
+    report = blockdiff.diff(hf_llama.build(), hf_llama.gelu_for_silu(block=1).to(dtype), ids)
+    assert report.first_divergence.check.first_child.module == "model.layers.1.mlp.act_fn"
+
+
+@pytest.mark.parametrize("name", sorted(bugs.BUGS))
+def test_bugs_in_a_modules_own_code_name_no_child(name, ids):
+    # Every planted bug of the sample lives in a module's own forward code (an activation
+    # applied as a function, a swapped gate, a scale, a mask, the glue), never in a child.
+    report = blockdiff.diff(tinylm.build(), getattr(bugs, name)(), ids)
+    first = report.first_divergence
+    if first.check.children is not None:  # module checks of a live reference are drilled
+        assert first.check.first_child is None
+        assert drill_down(first).startswith("no child module diverges")
+    else:
+        assert first.subpath == "residual" or first.stage == "head" or first.subpath == "norm"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "olmo2", "gpt2", "falcon"])
+def test_hugging_face_family_ffn_bugs_drill_to_their_child_or_own_code(family, ids):
+    report = blockdiff.diff(hf_families.build(family=family), hf_families.ffn_bug(family=family), hf_families.inputs(family, ids))
+    first = report.first_divergence
+    assert blamed(report)[2] == "ffn" and first.check.children is not None
+    child = first.check.first_child
+    # The families' ffn bugs swap the activation module where the model has one.
+    expected = {"gemma2": "act_fn", "olmo2": "act_fn", "gpt2": "act", "falcon": "act"}.get(family)
+    if expected is None:
+        assert child is None or child.module.endswith(("act_fn", "activation_fn"))
+    else:
+        assert child is not None and child.module.endswith(f".{expected}"), [c.module for c in first.check.children]
+
+
+def test_the_drill_down_is_in_the_json_the_terminal_and_the_html(ids, capsys, tmp_path):
+    report = blockdiff.diff(tinylm.build(), bugs.outlier_in_down_proj(), ids)
+    data = report.to_dict()["first_divergence"]
+    check = next(c for c in report.to_dict()["blocks"][2]["subpaths"]["ffn"]["checks"])
+    assert check["first_child"] == "blocks.2.ffn.down_proj" and len(check["children"]) == 3
+    assert Report.from_dict(report.to_dict()).to_dict() == report.to_dict()
+    assert data["module"] == "blocks.2.ffn"
+    from blockdiff.html import document
+
+    assert "First divergent child: blocks.2.ffn.down_proj" in document(report, image=False)
+    from rich.console import Console
+    import io
+
+    out = io.StringIO()
+    from blockdiff.render import render
+
+    render(report, Console(file=out, width=120, no_color=True))
+    assert "  first divergent child: blocks.2.ffn.down_proj: rel_l2 " in out.getvalue()
+
+
+def test_clean_precision_drills_nothing(ids):
+    report = blockdiff.diff(tinylm.build(), tinylm.build().to(torch.bfloat16), ids)
+    assert all(c.children is None for b in report.blocks for r in b.subpaths.values() for c in r.checks)
