@@ -183,16 +183,18 @@ def capture(
         traced.clear()
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.compiler.is_compiling():
-            traced.append(("pre", module, args, kwargs))
+        if _is_compiling():
+            # Cloned in the graph: the values as the hook saw them, whatever the graph does
+            # in place after it (`h += attn(norm(h))`). The clones are extra graph outputs.
+            traced.append(("pre", module, _cloned(args), _cloned(kwargs)))
             return None
         drain()
         opened(module, args, kwargs)
         return None
 
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if torch.compiler.is_compiling():
-            traced.append(("post", module, output))
+        if _is_compiling():
+            traced.append(("post", module, _cloned(output)))
             return None
         drain()
         closed(module, output)
@@ -219,6 +221,26 @@ def capture(
             handle.remove()
         for module, original in patched:
             module._compiled_call_impl = original
+
+
+def _is_compiling() -> bool:
+    """Whether dynamo is tracing (``torch.compiler.is_compiling``, torch >= 2.3)."""
+    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(check()) if check is not None else False
+
+
+def _cloned(obj: Any) -> Any:
+    """Tensors of a call's arguments or output cloned, one level of tuple, list or dict
+    deep: simple enough for dynamo to trace without a graph break."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in obj)
+    if isinstance(obj, list):
+        return [v.clone() if isinstance(v, torch.Tensor) else v for v in obj]
+    if isinstance(obj, dict):
+        return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in obj.items()}
+    return obj
 
 
 def _record_around(module: nn.Module, pre_hook: Callable, post_hook: Callable) -> tuple[nn.Module, Callable]:

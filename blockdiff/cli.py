@@ -413,7 +413,9 @@ def capture_command(
             precisions.append((parse_dtype(name), parse_device(at) if at else r_device))
     hook_map = hookmap.load(hooks_path) if hooks_path else None
     built = build_model(model, device=r_device, dtype=r_dtype)
-    ids, _ = engine.inputs_for(built, hook_map, _inputs_spec(tokens, inputs_path, batch, seq, seed))
+    ids, made = engine.inputs_for(built, hook_map, _inputs_spec(tokens, inputs_path, batch, seq, seed))
+    if made is not None:
+        click.echo(f"inputs: {made}", err=True)
     engine.capture(built, ids, out, hooks=hook_map, compress=compress, label=model, floors=precisions)
     click.echo(f"wrote {out}")
 

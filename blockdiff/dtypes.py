@@ -51,3 +51,13 @@ def stored_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown torch dtype {name!r}")
     return dtype
+
+
+def precision_label(dtype: torch.dtype, device: torch.device | str) -> str:
+    """``bfloat16@cpu``, ``bfloat16@cuda:0``: how stored floors name the precision they were
+    measured at. A CUDA device without an index is the current one, as a model placed on
+    ``"cuda"`` reports ``cuda:0``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return f"{dtype_name(dtype)}@{device}"

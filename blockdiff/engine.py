@@ -32,7 +32,7 @@ from ._version import __version__
 from .autodetect import configured_vocab_size
 from .capture import TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
-from .dtypes import dtype_name
+from .dtypes import dtype_name, precision_label
 from .errors import BlockdiffError, DumpError, InputError, ModelRunError
 from .hookmap import HookMap, Layout, resolve
 from .inputs import (
@@ -177,8 +177,10 @@ def run(
         cand_model = _build("candidate", candidate)
         if isinstance(inputs, InputsFile):
             given = load_inputs(inputs.path)
-        else:
-            given = None if inputs is None or isinstance(inputs, RandomTokens) else _concrete(inputs)
+        elif inputs is None or isinstance(inputs, RandomTokens):
+            given = None
+        else:  # completed as the capture completed them (an encoder-decoder's decoder ids)
+            given = complete_inputs(cand_model, _concrete(inputs))[0]
         return replay(
             ref_dump,
             cand_model,
@@ -414,8 +416,10 @@ def compare_dumps(
         # Two dumps have no live modules to calibrate with: drift is judged against the drift
         # floors the reference stored for the candidate's precision, else fixed thresholds.
         floors = ref_dump.floors()
-        stored = f"{dtype_name(working_dtype(ref.dtype, cand.dtype))}@{cand.device}" in floors
-        tolerance = replace(tolerance or Tolerance(), policy="calibrated" if stored else "fixed")
+        stored = precision_label(working_dtype(ref.dtype, cand.dtype), cand.device) in floors
+        tolerance = tolerance or Tolerance()
+        if tolerance.policy is None:  # the user's choice stands; blockdiff's follows the floors
+            tolerance = replace(tolerance, policy="calibrated" if stored else "fixed")
         report = _localize(ref, cand, ref_inputs, tolerance, fast_path=False, capacity_factors=(), floors=floors)
     basis = "its stored drift floors" if stored else "fixed thresholds"
     report.notes.append(
@@ -458,9 +462,9 @@ def capture(
         # Copies: the floor pass runs the model's modules again, which must not change the record.
         store = _run(side.name, _recorded, side, inputs, hold=None)
         measured = {
-            f"{dtype_name(dtype)}@{torch.device(device)}": {
+            precision_label(dtype, device): {
                 "dtype": dtype_name(dtype),
-                "device": str(torch.device(device)),
+                "device": precision_label(dtype, device).partition("@")[2],
                 "values": _run(side.name, measure_floors, side, store, inputs, dtype, torch.device(device)),
             }
             for dtype, device in floors
@@ -518,7 +522,7 @@ def _localize(
         same_dtype=ref.dtype == cand.dtype,
         same_device=ref.device == cand.device,
     )
-    label = f"{dtype_name(working_dtype(ref.dtype, cand.dtype))}@{cand.device}"
+    label = precision_label(working_dtype(ref.dtype, cand.dtype), cand.device)
     stored = StoredFloors(label, floors[label]["values"]) if floors and label in floors else None
     localizer = Localizer(ref, cand, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, stored=stored)
     floor = localizer.experiments.floor_side

@@ -215,19 +215,25 @@ class Experiments:
                     module = pair.cand[key].module
                     compared.append((f"input of {module}", module, expected, reached[at], at))
 
-        def floors(side: Side) -> list[float | None]:
+        def floors(side: Side) -> dict[str, float]:
+            """Each compared tensor's floor, by what it is ("output", "norm#1"): for every
+            module of the reference's block, so that floors a dump stores fit any candidate."""
             frozen_f = {key: (r, r) for key, (r, _) in frozen_c.items()}  # the reference's own record
             f_out, f_reached = side.run_block(r_block.module, r_block, None, relative(pair.ref_layout), frozen_f)
-            found: list[float | None] = []
-            for _, _, expected, _, at in compared:
-                got = f_out if at is None else f_reached.get(at)
-                found.append(None if got is None else metrics(expected, got, dtype=self.dtype).rel_l2)
+            found = {"output": metrics(ref_out, f_out, dtype=self.dtype).rel_l2}
+            for site in pair.ref.values() if frozen else ():
+                expected, got = site.hidden_input(), f_reached.get((site.subpath, site.ordinal))
+                if expected is not None and got is not None:
+                    found[f"{site.subpath}#{site.ordinal}"] = metrics(expected, got, dtype=self.dtype).rel_l2
             return found
 
-        measured = self.with_floor(f"{target}:{describe_key(r_block.key)}", floors) or [None] * len(compared)
+        measured = self.with_floor(f"{target}:{describe_key(r_block.key)}", floors) or {}
         return [
-            self.check(target, what, module, expected, aligned(label, what, expected, got), floor)
-            for (what, module, expected, got, _), floor in zip(compared, measured)
+            self.check(
+                target, what, module, expected, aligned(label, what, expected, got),
+                measured.get("output" if at is None else f"{at[0]}#{at[1]}"),
+            )
+            for what, module, expected, got, at in compared
         ]
 
 

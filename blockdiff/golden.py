@@ -100,17 +100,26 @@ def precisions(floors: Sequence[str], model: nn.Module) -> list[tuple[Any, Any]]
 
 
 def _labels(floors: Sequence[str], model: nn.Module) -> set[str]:
-    from .dtypes import dtype_name
+    from .dtypes import precision_label
 
-    return {f"{dtype_name(dtype)}@{device}" for dtype, device in precisions(floors, model)}
+    return {precision_label(dtype, device) for dtype, device in precisions(floors, model)}
 
 
-def write(golden: str | Path, model: nn.Module, inputs: Inputs, *, hooks: HookMap | None, floors: Sequence[str] = ()) -> None:
+def write(
+    golden: str | Path,
+    model: nn.Module,
+    inputs: Inputs,
+    *,
+    hooks: HookMap | None,
+    floors: Sequence[str] = (),
+    candidate: nn.Module | None = None,
+) -> None:
     """Capture ``model`` on ``inputs`` as the dump ``golden``, with the noise floors of
-    ``floors`` (see :func:`precisions`)."""
+    ``floors`` (see :func:`precisions`; the device defaults to the ``candidate``'s that will
+    be checked against it, else ``model``'s)."""
     from .engine import capture
 
-    capture(model, inputs, golden, hooks=hooks, floors=precisions(floors, model))
+    capture(model, inputs, golden, hooks=hooks, floors=precisions(floors, candidate if candidate is not None else model))
 
 
 def still_holds(
@@ -122,10 +131,9 @@ def still_holds(
     hooks: HookMap | None,
     fast_path: bool,
     floors: Sequence[str] = (),
-    reference: nn.Module | None = None,
 ) -> bool:
     """Whether an existing ``golden`` still holds for ``model``: captured on the same
-    inputs, storing the floors asked for (measured for ``reference``'s device), and
+    inputs, storing the floors asked for (at ``model``'s device unless they name one), and
     nothing diverges. A missing, damaged or foreign golden does not."""
     if not golden.exists():
         return False
@@ -133,7 +141,7 @@ def still_holds(
         from .dump import DumpReader
 
         with DumpReader(golden) as dump:
-            if not _labels(floors, reference if reference is not None else model) <= set(dump.floors()):
+            if not _labels(floors, model) <= set(dump.floors()):
                 return False
         stored, given = inputs_match(golden, inputs)
         return stored == given and not replay(golden, model, tolerance=tolerance, hooks=hooks, fast_path=fast_path).diverged
@@ -157,8 +165,8 @@ def assert_matches_golden(
     """Assert that ``model`` still matches the golden dump ``golden`` on ``inputs``.
 
     The model is replayed against the dump (:func:`replay`): block by
-    block, with sub-path verdicts, judged by fixed thresholds (a dump holds no live
-    reference modules to calibrate with). On a divergence the model is captured to
+    block, with sub-path verdicts, calibrated by the floors the dump stores for the
+    model's precision, else judged by fixed thresholds. On a divergence the model is captured to
     ``obtained`` (default ``<name>.obtained.h5`` beside the golden), so
     ``blockdiff diff GOLDEN OBTAINED`` can compare them offline.
 

@@ -532,13 +532,13 @@ class GoldenFixture:
         tolerance = assertion.tolerance_from(settings)
         source = model if reference is None else reference
         if golden_files.still_holds(
-            golden, model, inputs, tolerance=tolerance, hooks=hooks, fast_path=fast_path, floors=floors, reference=source
+            golden, model, inputs, tolerance=tolerance, hooks=hooks, fast_path=fast_path, floors=floors
         ):
             self._state.unchanged.append(golden)
             golden_files.obtained_path(golden).unlink(missing_ok=True)
             return
         staged = self._state.staged_path()
-        golden_files.write(staged, source, inputs, hooks=hooks, floors=floors)
+        golden_files.write(staged, source, inputs, hooks=hooks, floors=floors, candidate=model)
         self._state.queue(golden, staged)
 
 

@@ -486,21 +486,26 @@ class Report:
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             found = data.get("schema") if isinstance(data, dict) else type(data).__name__
             raise BlockdiffError(f"expected a {SCHEMA} report, found {found!r}")
-        report = cls(
-            reference=data.get("reference", {}),
-            candidate=data.get("candidate", {}),
-            inputs=data.get("inputs", {}),
-            tolerance=data.get("tolerance", {}),
-            stages=[StageResult.from_dict(s) for s in data.get("stages", [])],
-            blocks=[BlockResult.from_dict(b) for b in data.get("blocks", [])],
-            moe=data.get("moe", []),
-            notes=data.get("notes", []),
-            first_nonfinite=data.get("first_nonfinite"),
-            reference_nonfinite=data.get("reference_nonfinite"),
-            created=data.get("created", ""),
-            version=data.get("blockdiff_version", ""),
-        )
-        report._restore_order(data.get("divergences") or [])
+        try:
+            report = cls(
+                reference=data.get("reference", {}),
+                candidate=data.get("candidate", {}),
+                inputs=data.get("inputs", {}),
+                tolerance=data.get("tolerance", {}),
+                stages=[StageResult.from_dict(s) for s in data.get("stages", [])],
+                blocks=[BlockResult.from_dict(b) for b in data.get("blocks", [])],
+                moe=data.get("moe", []),
+                notes=data.get("notes", []),
+                first_nonfinite=data.get("first_nonfinite"),
+                reference_nonfinite=data.get("reference_nonfinite"),
+                created=data.get("created", ""),
+                version=data.get("blockdiff_version", ""),
+            )
+            report._restore_order(data.get("divergences") or [])
+        except KeyError as exc:
+            raise BlockdiffError(f"not a complete {SCHEMA} report: an entry has no {exc.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise BlockdiffError(f"not a well-formed {SCHEMA} report ({type(exc).__name__}: {exc})") from None
         return report
 
     def _restore_order(self, divergences: list[dict[str, Any]]) -> None:

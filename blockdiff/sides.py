@@ -12,15 +12,16 @@ things of it, and nothing else:
 
 The kinds here:
 
-- :class:`LiveSide`: an eager ``nn.Module``;
+- :class:`LiveSide`: an ``nn.Module`` as it runs: eager, or under ``torch.compile`` (its
+  experiments then run compiled code, see :meth:`LiveSide.runnable`);
 - :class:`PrecisionSide`: a live side's modules copied into another dtype and device,
   which is how a noise floor is measured (the reference's own code at the candidate's
   precision);
 - :class:`DumpSide`: a dump written by ``blockdiff capture``; it has sites and runs
   nothing (:attr:`Side.live` is false).
 
-A new kind of candidate (compiled, sharded, another runtime) is a new class with these
-members; the localizer (:mod:`blockdiff.localize`) never branches on kinds.
+A new kind of candidate (sharded, another runtime) is a new class with these members;
+the localizer (:mod:`blockdiff.localize`) never branches on kinds.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def versions(model: nn.Module) -> dict[str, str]:
 
 
 class LiveSide:
-    """An eager ``nn.Module`` with its layout; :meth:`record` fills its store."""
+    """An ``nn.Module`` (eager or compiled) with its layout; :meth:`record` fills its store."""
 
     live = True
 
@@ -443,12 +444,16 @@ def compiled_code_limits(*models: nn.Module) -> Iterator[None]:
     from torch._dynamo import config
 
     torch.compiler.reset()
-    with config.patch(
-        recompile_limit=max(config.recompile_limit, 4096),
-        accumulated_recompile_limit=max(config.accumulated_recompile_limit, 65536),
-        fail_on_recompile_limit_hit=True,
-        skip_nnmodule_hook_guards=False,
-    ):
+    # The names since torch 2.7, and before it.
+    names = [("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit")]
+    limit, accumulated = (next(n for n in pair if hasattr(config, n)) for pair in names)
+    settings = {limit: max(getattr(config, limit), 4096), accumulated: max(getattr(config, accumulated), 65536)}
+    fail = next((n for n in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit") if hasattr(config, n)), None)
+    if fail is not None:
+        settings[fail] = True
+    if hasattr(config, "skip_nnmodule_hook_guards"):
+        settings["skip_nnmodule_hook_guards"] = False
+    with config.patch(**settings):
         yield
 
 

@@ -9,7 +9,7 @@ import blockdiff
 from blockdiff import Report
 from blockdiff.view import drill_down
 from samples import bugs, hf_families, hf_llama, tinylm
-from tests.conftest import blamed, run_cli
+from tests.conftest import blamed
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -107,8 +107,10 @@ def test_modules_given_their_own_inputs_are_not_run_again(ids):
     report = diff(tinylm.build(), candidate, ids)
     assert blamed(report) == ("block", 2, "ffn")
     # The forward's 4, and for block 3, the one block whose inputs differ, its module
-    # experiment and its block experiment (the residual experiment freezes the FFN).
-    assert calls[0] == 4 + 2
+    # experiment and its block experiment (the residual experiment freezes the FFN); then
+    # the drill-down of block 2's divergent FFN: the FFN run once with its children
+    # recorded, and its down_proj alone on the reference's input.
+    assert calls[0] == 4 + 2 + 2
 
 
 def test_same_bits_compares_every_bit():

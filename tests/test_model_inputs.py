@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 import blockdiff
 from blockdiff import InputError
 from blockdiff.inputs import complete_inputs, load_inputs
-from samples import hf_families, hf_llama, hf_vision
+from samples import hf_families, hf_llama
 from tests.conftest import blamed, run_cli
 
 pytest.importorskip("transformers")
@@ -90,3 +90,13 @@ def test_bad_inputs_files(tmp_path, content, message):
 def test_tokens_and_inputs_are_exclusive(capsys, tmp_path):
     code, _, err = run_cli(["diff", "samples/tinylm.py:build", "--tokens", "a.json", "--inputs", "b.json"], capsys)
     assert code == 2 and "give --tokens or --inputs, not both" in err
+
+
+def test_an_encoder_decoder_dump_replays_with_the_same_token_file(capsys, tmp_path):
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(4))
+    (tmp_path / "ids.json").write_text(json.dumps(ids.tolist()))
+    code, _, err = run_cli(["capture", "samples/hf_families.py:build_t5", "--out", str(tmp_path / "t5.h5"), "--tokens", str(tmp_path / "ids.json")], capsys)
+    assert code == 0 and "inputs: decoder_input_ids derived" in err
+    args = ["diff", str(tmp_path / "t5.h5"), "samples/hf_families.py:build_t5", "--tokens", str(tmp_path / "ids.json"), "-q"]
+    code, out, err = run_cli(args, capsys)
+    assert (code, out.strip()) == (0, "no divergence"), err

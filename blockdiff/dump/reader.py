@@ -302,7 +302,7 @@ class DumpReader:
 
     def inputs(self) -> Any:
         """The recorded model inputs, or ``None`` if the dump has none."""
-        f = self._open_file()
+        self._open_file()
         with self._guard("cannot be read (the file is damaged)", site="/inputs"):
             if "inputs" not in self._objects:
                 return None
@@ -326,7 +326,7 @@ class DumpReader:
         Raises:
             DumpError: naming the file and the first damaged site.
         """
-        f = self._open_file()
+        self._open_file()
         tensors = nbytes = 0
         for e in self._entries:
             with self._guard("cannot be read (the file is damaged)", site=e.label):
