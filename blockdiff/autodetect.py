@@ -63,7 +63,8 @@ def _has_parameters(module: nn.Module) -> bool:
 def _block_lists(model: nn.Module) -> list[str]:
     """Paths of the model's block lists: the longest ModuleList/Sequential whose children
     (two or more) share one class (subclasses count as their base), plus any other such
-    list of the same class (the second stack of an encoder-decoder). Lists inside another
+    list of the same class, or of its Encoder/Decoder twin (the second stack of an
+    encoder-decoder). Lists inside another
     list's elements (MoE experts) and lists of parameterless modules are not candidates."""
     found: list[tuple[str, type, int]] = []
     for path, module in model.named_modules():
@@ -81,7 +82,13 @@ def _block_lists(model: nn.Module) -> list[str]:
     if not top:
         return []
     _, cls, _ = max(top, key=lambda entry: entry[2])  # the first of the longest on a tie
-    return [path for path, other, _ in top if other is cls]
+    return [path for path, other, _ in top if _stack_family(other) == _stack_family(cls)]
+
+
+def _stack_family(cls: type) -> str:
+    """A block class's name without Encoder/Decoder: an encoder-decoder's two stacks
+    (BartEncoderLayer, BartDecoderLayer) are of one family."""
+    return cls.__name__.replace("Encoder", "").replace("Decoder", "")
 
 
 def _classify_block(block: nn.Module, opened: set[str], probed: dict[tuple[str, type], bool]) -> dict[str, str]:

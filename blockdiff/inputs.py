@@ -98,6 +98,17 @@ def random_tokens(*, batch: int, seq: int, vocab: int, seed: int) -> torch.Tenso
     return torch.randint(0, vocab, (batch, seq), generator=gen)
 
 
+def _regular_file(path: str | Path, what: str) -> Path:
+    """``path``, when it is a regular file; else an :class:`InputError` saying what it is."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{what} {path}: no such file")
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file (a device, pipe or socket)"
+        raise InputError(f"{what} {path}: {kind}; expected a .json or .safetensors file")
+    return path
+
+
 def load_tokens(path: str | Path) -> torch.Tensor:
     """Token ids from a .json file (list of lists of ints) or a .safetensors file holding
     ``input_ids``.
@@ -105,12 +116,7 @@ def load_tokens(path: str | Path) -> torch.Tensor:
     Raises:
         InputError: missing file, not a regular file, other format, wrong dtype or shape.
     """
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"token file {path}: no such file")
-    if not path.is_file():
-        kind = "a directory" if path.is_dir() else "not a regular file (a device, pipe or socket)"
-        raise InputError(f"token file {path}: {kind}; expected a .json or .safetensors file")
+    path = _regular_file(path, "token file")
     if path.suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -165,11 +171,7 @@ def load_inputs(path: str | Path) -> dict[str, torch.Tensor]:
     Raises:
         InputError: missing file, not a regular file, other format, or nothing in it.
     """
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"inputs file {path}: no such file")
-    if not path.is_file():
-        raise InputError(f"inputs file {path}: not a regular file; expected a .json or .safetensors file")
+    path = _regular_file(path, "inputs file")
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file

@@ -439,6 +439,18 @@ def build_bert() -> nn.Module:
     return build(family="bert")
 
 
+def build_bart(*, seed: int = 0) -> nn.Module:
+    """A tiny BART (no bundled map: detected, encoder and decoder stacks)."""
+    import transformers
+
+    config = transformers.BartConfig(
+        vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return trained_looking_(transformers.BartForConditionalGeneration(config), seed=seed).eval()
+
+
 def gpt_neox_sequential() -> nn.Module:
     """GPT-NeoX with block 1 computed sequentially instead of in parallel."""
     return residual_bug(family="gpt_neox")

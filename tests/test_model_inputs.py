@@ -100,3 +100,20 @@ def test_an_encoder_decoder_dump_replays_with_the_same_token_file(capsys, tmp_pa
     args = ["diff", str(tmp_path / "t5.h5"), "samples/hf_families.py:build_t5", "--tokens", str(tmp_path / "ids.json"), "-q"]
     code, out, err = run_cli(args, capsys)
     assert (code, out.strip()) == (0, "no divergence"), err
+
+
+def test_bart_runs_from_random_ids_with_both_stacks_detected(capsys):
+    layout = blockdiff.resolve(hf_families.build_bart())
+    assert [b.path for b in layout.blocks] == [
+        "model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0", "model.decoder.layers.1",
+    ]
+    code, out, err = run_cli(["diff", "samples/hf_families.py:build_bart", "--cand-dtype", "bfloat16", "-q"], capsys)
+    assert (code, out.strip()) == (0, "no divergence"), err
+
+    def decoder_bug():
+        model = hf_families.build_bart()
+        model.model.decoder.layers[1].activation_fn = torch.nn.ReLU()
+        return model
+
+    report = blockdiff.run(hf_families.build_bart, decoder_bug)
+    assert report.first_divergence.block == 3  # the decoder's second layer, nothing before it
