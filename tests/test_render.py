@@ -58,7 +58,10 @@ def test_render_prints_heatmap_and_sparkline_after_the_first_divergence_and_keep
     render(gelu_report, console)
     lines = output(console).splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("First divergence"))
-    assert lines[first + 1].startswith("local error / threshold:")
+    # Under the headline, what the drill-down found (the sample's GELU is applied as a
+    # function: no child module diverges), then the heatmap.
+    assert lines[first + 1].startswith("  no child module diverges (3 checked)")
+    assert lines[first + 2].startswith("local error / threshold:")
     drift = next(i for i, line in enumerate(lines) if line.startswith("  drift"))
     table = next(i for i, line in enumerate(lines) if "1.62e-01!" in line or "e-01!" in line)
     assert first < drift < table
