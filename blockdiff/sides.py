@@ -216,15 +216,11 @@ class LiveSide:
 
     def child_calls(self, path: str, call: Site, hidden: Hidden | None = None, *, depth: int = 2) -> list[Site]:
         """Module ``path`` run on ``call`` (its activations replaced by ``hidden``), with
-        every call its leaf children up to ``depth`` levels down made, recorded: one site per
-        call, in the order they started, under the parent's stage, block and sub-path.
+        every call of its innermost children (up to ``depth`` levels down) recorded: one site
+        per call, in the order they started, under the parent's stage, block and sub-path.
         The hooks are added for this one run and removed in ``finally``."""
         module = self.module(path)
-        leaves = {
-            rel: child
-            for rel, child in module.named_modules()
-            if rel and rel.count(".") < depth and next(child.children(), None) is None
-        }
+        leaves = {rel: child for rel, child in module.named_modules() if rel and rel.count(".") < depth}
         found: list[Site] = []
         open_: dict[str, list[Site]] = {}
         calls: dict[str, int] = {}
@@ -257,7 +253,13 @@ class LiveSide:
         finally:
             for handle in handles:
                 handle.remove()
-        return found
+        # The innermost modules that ran: a module whose own children ran is theirs to judge
+        # (a quantized Linear keeps its weights in a child that is never called: it stays).
+        ran = {site.module for site in found}
+        innermost = [s for s in found if not any(other.startswith(s.module + ".") for other in ran)]
+        for ordinal, site in enumerate(innermost):
+            site.ordinal = site.order = ordinal
+        return innermost
 
     def run_block(
         self, path: str, call: Site, hidden: Hidden | None, modules: dict[str, str], frozen: Frozen | None

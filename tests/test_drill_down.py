@@ -80,3 +80,14 @@ def test_the_drill_down_is_in_the_json_the_terminal_and_the_html(ids, capsys, tm
 def test_clean_precision_drills_nothing(ids):
     report = blockdiff.diff(tinylm.build(), tinylm.build().to(torch.bfloat16), ids)
     assert all(c.children is None for b in report.blocks for r in b.subpaths.values() for c in r.checks)
+
+
+def test_dynamically_quantized_projections_are_judged_as_children(ids):
+    # A quantized Linear keeps its packed weights in a child that is never called: the
+    # quantized Linear itself is the innermost module that ran, and is judged.
+    candidate = torch.ao.quantization.quantize_dynamic(hf_llama.build(), {torch.nn.Linear}, dtype=torch.qint8)
+    report = blockdiff.diff(hf_llama.build(), candidate, ids)
+    first = report.first_divergence
+    assert blamed(report) == ("block", 0, "attention")
+    assert [c.module for c in first.check.children] == [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"]
+    assert all(c.diverged for c in first.check.children)
