@@ -168,6 +168,22 @@ def _apply(options: list) -> Callable:
     help="Counterfactual capacity factor for the routing statistics of dropless MoE blocks; repeatable [default: 1.0 and 1.25].",
 )
 @click.option("--fast/--no-fast", default=False, show_default=True, help="Skip sub-path experiments of blocks that are within tolerance as a whole.")
+@click.option(
+    "--rank",
+    "rank",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Also rank every check (and every module's children) by local error over a baseline, and print the worst N; "
+    "the JSON keeps them all under `ranking`. The exit code still follows the verdict.",
+)
+@click.option(
+    "--baseline-dtype",
+    default=None,
+    metavar="DTYPE",
+    help="With --rank: the baseline is the reference's own floor at this precision (is an int8 candidate worse "
+    "than bfloat16 here?) [default: each check's threshold].",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report (blockdiff.report/1) here.")
 @click.option("--save-dumps", type=click.Path(file_okay=False), help="Keep both sides' captures as DIR/reference.h5 and DIR/candidate.h5 (implies --stream).")
 @click.option("--stream", is_flag=True, help="Capture to temporary dumps and localize block by block: memory holds one block's activations.")
@@ -194,6 +210,8 @@ def diff_command(
     tols: tuple[str, ...],
     capacity_factors: tuple[float, ...],
     fast: bool,
+    rank: int | None,
+    baseline_dtype: str | None,
     json_path: str | None,
     save_dumps: str | None,
     stream: bool,
@@ -239,6 +257,8 @@ def diff_command(
         from .plot import require_matplotlib
 
         require_matplotlib()  # fail before the diff runs, not after
+    if baseline_dtype and rank is None:
+        raise click.UsageError("--baseline-dtype sets the baseline of --rank N; give --rank too")
     if any(not cf > 0 for cf in capacity_factors):
         raise click.BadParameter("capacity factors must be positive numbers", param_hint="--capacity-factor")
     if hooks_path and (ref_hooks or cand_hooks):
@@ -270,13 +290,15 @@ def diff_command(
             labels=(reference, candidate or reference),
             save_dumps=save_dumps,
             stream=stream,
+            rank=rank is not None,
+            baseline_dtype=parse_dtype(baseline_dtype) if baseline_dtype else None,
         ),
     )
     _stop_progress()
     if save_dumps and not quiet:
         for path in kept:
             _said(f"{'replaced' if path in replaced else 'wrote'} {path}")
-    _emit(report, json_path=json_path, quiet=quiet, plot_path=plot_path, html_path=html_path)
+    _emit(report, json_path=json_path, quiet=quiet, plot_path=plot_path, html_path=html_path, rank=rank)
 
 
 def _write(what: str, path: str, write: Callable[[], None], *, quiet: bool = False) -> None:
@@ -307,10 +329,12 @@ def _advice(*, json_path: str | None) -> str:
     return ADVICE if json_path is None else ADVICE_JSON_WRITTEN.format(path=json_path)
 
 
-def _emit(report, *, json_path: str | None, quiet: bool, plot_path: str | None = None, html_path: str | None = None) -> None:
+def _emit(
+    report, *, json_path: str | None, quiet: bool, plot_path: str | None = None, html_path: str | None = None, rank: int | None = None
+) -> None:
     """Write the JSON report and pictures (each said on stderr, but with ``quiet``), print
-    the report, exit 1 on divergence."""
-    from .render import render
+    the report (and the worst ``rank`` of its ranking), exit 1 on divergence."""
+    from .render import render, render_ranking
     from .view import headline
 
     if json_path:
@@ -321,6 +345,8 @@ def _emit(report, *, json_path: str | None, quiet: bool, plot_path: str | None =
         click.echo("no divergence" if first is None else f"first divergence: {headline(first)}")
     else:
         render(report, _console(), advice=_advice(json_path=json_path))
+    if rank is not None and report.ranking is not None:
+        render_ranking(report, _console(), top=rank)
     sys.exit(EXIT_DIVERGED if report.diverged else 0)
 
 

@@ -107,6 +107,8 @@ class Options:
     labels: tuple[str | None, str | None] = (None, None)
     save_dumps: str | Path | None = None
     stream: bool = False
+    rank: bool = False
+    baseline_dtype: torch.dtype | None = None
 
 
 # A side as run() takes it: a model, a callable returning one, or a dump's path.
@@ -203,6 +205,8 @@ def run(
         capacity_factors=options.capacity_factors,
         save_dumps=options.save_dumps,
         stream=options.stream,
+        rank=options.rank,
+        baseline_dtype=options.baseline_dtype,
         **common,
     )
     if made is not None:
@@ -267,6 +271,8 @@ def diff(
     labels: tuple[str | None, str | None] = (None, None),
     save_dumps: str | Path | None = None,
     stream: bool = False,
+    rank: bool = False,
+    baseline_dtype: torch.dtype | None = None,
 ) -> Report:
     """Find where ``candidate`` first diverges from ``reference`` on ``inputs``.
 
@@ -291,6 +297,11 @@ def diff(
         stream: capture to temporary dumps and localize from them block by block, so
             memory holds one block's activations rather than every block's (implied by
             ``save_dumps``).
+        rank: also rank every check, worst first (``report.ranking``, see
+            :meth:`Report.rank`), drilling into every module's children.
+        baseline_dtype: with ``rank``, judge each check against the reference's own floor
+            at this precision ("is the int8 candidate worse than bfloat16 here?") instead
+            of its threshold.
 
     Returns:
         The :class:`~blockdiff.report.Report`; ``report.first_divergence`` is ``None``
@@ -306,7 +317,8 @@ def diff(
     ref = _live_side("reference", reference, reference_hooks, inputs, labels[0])
     cand = _live_side("candidate", candidate, candidate_hooks, inputs, labels[1])
     check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
-    localize = lambda: _localize(ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=capacity_factors)  # noqa: E731
+    ranking = dict(rank=rank, baseline_dtype=baseline_dtype)
+    localize = lambda: _localize(ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, **ranking)  # noqa: E731
     with ExitStack() as stack:
         stack.enter_context(eval_mode(reference))
         stack.enter_context(eval_mode(candidate))
@@ -333,7 +345,8 @@ def diff(
             return stack.enter_context(DumpReader(scratch / "free-run.h5", probe=False))
 
         return _localize(
-            ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, free_run=streamed_free_run
+            ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=capacity_factors,
+            free_run=streamed_free_run, **ranking,
         )
 
 
@@ -482,12 +495,15 @@ def _recorded(side: LiveSide, inputs: Inputs, *, hold: str | None) -> MemoryStor
     return store
 
 
-def measure_floors(side: LiveSide, store: MemoryStore, inputs: Inputs, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+def measure_floors(
+    side: LiveSide, store: Any, inputs: Inputs, dtype: torch.dtype, device: torch.device, *, drill_all: bool = False
+) -> dict[str, Any]:
     """Every check's noise floor at one precision, by check key: the experiments of a
-    calibrated diff of the model against itself, keeping what each floor measured."""
+    calibrated diff of the model against itself, keeping what each floor measured
+    (``drill_all``: every module's children's too)."""
     reference = LiveSide("reference", side.model, side.layout)
     reference.store = store
-    localizer = Localizer(reference, reference, Tolerance("calibrated"), precision=(dtype, device))
+    localizer = Localizer(reference, reference, Tolerance("calibrated"), precision=(dtype, device), drill_all=drill_all)
     experiments = localizer.experiments
     experiments.measured = {}
     assert experiments.floor_side is not None
@@ -514,6 +530,8 @@ def _localize(
     capacity_factors: tuple[float, ...],
     free_run: Callable[[Side], Any] | None = None,
     floors: dict[str, Any] | None = None,
+    rank: bool = False,
+    baseline_dtype: torch.dtype | None = None,
 ) -> Report:
     """Localize two recorded sides into a report. ``free_run(side)`` records the reference
     at the candidate's precision for drift floors, into a store it returns (in memory
@@ -524,7 +542,9 @@ def _localize(
     )
     label = precision_label(working_dtype(ref.dtype, cand.dtype), cand.device)
     stored = StoredFloors(label, floors[label]["values"]) if floors and label in floors else None
-    localizer = Localizer(ref, cand, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, stored=stored)
+    localizer = Localizer(
+        ref, cand, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, stored=stored, drill_all=rank
+    )
     floor = localizer.experiments.floor_side
     if floor is not None and cand.live and inputs is not None:
         # Drift floors: the reference's own free run at the candidate's precision.
@@ -546,6 +566,15 @@ def _localize(
     )
     _nonfinite_notes(report, localizer.nonfinite)
     report.notes.extend(localizer.notes)
+    if rank:
+        baseline = None
+        if baseline_dtype is not None:
+            if not isinstance(ref, LiveSide):
+                raise InputError("a baseline precision (--baseline-dtype) needs a live reference, not a dump")
+            with torch.inference_mode():
+                baseline = _run("reference", measure_floors, ref, ref.store, inputs, baseline_dtype, cand.device, drill_all=True)
+            report.tolerance["baseline"] = precision_label(baseline_dtype, cand.device)
+        report.ranking = report.rank(baseline)
     first = report.first_divergence
     if first is not None and first.subpath == DRIFT:
         basis = (

@@ -151,12 +151,12 @@ class Experiments:
         if out is None or not same_bits(hidden, c.hidden_inputs()):
             out = self.module_output(self.cand, c.module, c, hidden)
         expected, out = self.comparable(r, c, ref_out, out)
+        key = f"module:{describe_key(r.key)}"
         floor = self.with_floor(
-            f"module:{describe_key(r.key)}",
-            lambda side: metrics(ref_out, self.module_output(side, r.module, r, None), dtype=self.dtype).rel_l2,
+            key, lambda side: metrics(ref_out, self.module_output(side, r.module, r, None), dtype=self.dtype).rel_l2
         )
         check = self.check(target, "output", c.module, expected, out, floor)
-        check.order = r.order
+        check.order, check.key = r.order, key
         return check
 
     def children_checks(self, target: str, r: Site, c: Site) -> list[Check]:
@@ -177,11 +177,13 @@ class Experiments:
                 continue
             out = self.module_output(self.cand, cc.module, cc, hidden)
             expected, out = comparable(f"{describe_key(c.key)} {rel}", "output", ref_out, out)
+            key = f"child:{describe_key(r.key)}:{rel}#{rc.call}"
             floor = self.with_floor(
-                f"child:{describe_key(r.key)}:{rel}#{rc.call}",
+                key,
                 lambda side, rc=rc, ref_out=ref_out: metrics(ref_out, self.module_output(side, rc.module, rc, None), dtype=self.dtype).rel_l2,
             )
             checks.append(self.check(target, f"child {rel}" + (f" #{rc.call}" if rc.call else ""), cc.module, expected, out, floor))
+            checks[-1].key = key
         return checks
 
     # -- one block ---------------------------------------------------------------------

@@ -45,6 +45,7 @@ class Localizer:
         capacity_factors: the counterfactual capacity factors of dropless MoE statistics.
         stored: floors a dump stored for the candidate's precision (a replay).
         precision: the (dtype, device) floors are measured at, when not the candidate's.
+        drill_all: drill down into every module check, not only divergent ones (ranking).
     """
 
     def __init__(
@@ -57,10 +58,12 @@ class Localizer:
         capacity_factors: tuple[float, ...] = (1.0, 1.25),
         stored: StoredFloors | None = None,
         precision: tuple[torch.dtype, torch.device] | None = None,
+        drill_all: bool = False,
     ) -> None:
         self.ref = reference
         self.cand = candidate
         self.experiments = Experiments(reference, candidate, tolerance, stored=stored, precision=precision)
+        self.drill_all = drill_all
         self.tolerance = tolerance
         self.fast_path = fast_path
         self.dtype = self.experiments.dtype
@@ -174,7 +177,7 @@ class Localizer:
                 checks = self._judged(f"{where} {r.subpath} ({c.module})", lambda: moe_checks(exp, pair, r, c))
             else:
                 found = self._judged(f"{where} {r.subpath} ({c.module})", lambda: exp.module_check(r.subpath, r, c))
-                if found is not None and found.diverged and self.ref.live:
+                if found is not None and (found.diverged or self.drill_all) and self.ref.live:
                     found.children = self._judged(
                         f"{where} {r.subpath} ({c.module}) children", lambda: exp.children_checks(r.subpath, r, c)
                     )

@@ -355,3 +355,20 @@ def _moe_tables(rows: list[MoeRow], width: int) -> list[Table]:
     )
     cells = [dict(zip(MOE_COLUMNS, [*row.cells, _bar(row.counts)], strict=True)) for row in rows]
     return _fitted(title, MOE_COLUMNS[:2], MOE_COLUMNS[2:], cells, width)
+
+
+def render_ranking(report: Report, console: Console, *, top: int) -> None:
+    """The worst ``top`` entries of ``report.ranking`` (see :meth:`Report.rank`): where the
+    local error is largest over its baseline, sub-paths and their children alike."""
+    ranking = report.ranking or []
+    basis = report.tolerance.get("baseline")
+    over = f"the reference's own floor at {basis}" if basis else "each check's threshold"
+    console.print(f"ranking: local error over {escape(over)}, worst {min(top, len(ranking))} of {len(ranking)}", highlight=False)
+    for place, entry in enumerate(ranking[:top], start=1):
+        where = entry["stage"] if entry["stage"] != "block" else f"block {entry['block']} {entry['subpath']}"
+        module = entry["child"] or entry["module"]
+        console.print(
+            f"  {place:>2}. {escape(where):<22} {escape(module):<40} rel_l2 {fmt(entry['value'], '.3g')}  "
+            f"baseline {fmt(entry['baseline'], '.3g')}  {fmt(entry['ratio'], '.1f')}x",
+            highlight=False,
+        )

@@ -49,6 +49,9 @@ class Check:
     # Drill-down of a divergent module check: its leaf children judged one by one
     # (Experiments.children_checks); None when not drilled.
     children: list["Check"] | None = None
+    # The check's name among floors (Experiments.with_floor): how a baseline of another
+    # precision is looked up for it (ranking). Not in the JSON.
+    key: str | None = field(default=None, compare=False)
 
     @property
     def first_child(self) -> "Check | None":
@@ -354,6 +357,7 @@ class Report:
     reference_nonfinite: dict[str, Any] | None = None
     created: str = ""
     version: str = ""
+    ranking: list[dict[str, Any]] | None = None  # --rank: Report.rank(), worst first
 
     @property
     def divergences(self) -> list[Divergence]:
@@ -420,6 +424,46 @@ class Report:
             return position, Divergence(item.stage, None, DRIFT, item.module, check)
         return None
 
+    def rank(self, baseline: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Every sub-path, stage and drilled child check, worst first, by its local error
+        over a baseline: the floor ``baseline`` holds for it (another precision's, by check
+        key), else the check's own threshold.
+
+        Each entry: ``stage``, ``block``, ``subpath``, ``module`` (the sub-path's or
+        stage's), ``child`` (a drilled child's module, else ``None``), ``value``,
+        ``baseline``, ``ratio``.
+        """
+        entries: list[dict[str, Any]] = []
+
+        def add(stage: str, block: int | None, subpath: str | None, module: str, check: Check, child: str | None) -> None:
+            if check.metrics is None:
+                return
+            base = baseline.get(check.key) if baseline is not None and check.key is not None else None
+            base = base if isinstance(base, (int, float)) and base > 0 else check.threshold.value
+            entries.append(
+                {
+                    "stage": stage,
+                    "block": block,
+                    "subpath": subpath,
+                    "module": module,
+                    "child": child,
+                    "value": json_number(check.measured),
+                    "baseline": json_number(base),
+                    "ratio": json_number(check.measured / base),
+                }
+            )
+
+        for stage in self.stages:
+            if stage.local is not None:
+                add(stage.stage, None, None, stage.module, stage.local, None)
+        for block in self.blocks:
+            for name, result in block.subpaths.items():
+                for check in result.checks:
+                    add("block", block.index, name, check.module, check, None)
+                    for child in check.children or []:
+                        add("block", block.index, name, check.module, child, child.module)
+        return sorted(entries, key=lambda e: -from_json_number(e["ratio"]))
+
     @property
     def first_divergence(self) -> Divergence | None:
         found = self.divergences
@@ -448,7 +492,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         first = self.first_divergence
-        return {
+        out = {
             "schema": SCHEMA,
             "blockdiff_version": self.version,
             "created": self.created,
@@ -465,6 +509,9 @@ class Report:
             "moe": self.moe,
             "notes": self.notes,
         }
+        if self.ranking is not None:
+            out["ranking"] = self.ranking
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> Report:
@@ -500,6 +547,7 @@ class Report:
                 reference_nonfinite=data.get("reference_nonfinite"),
                 created=data.get("created", ""),
                 version=data.get("blockdiff_version", ""),
+                ranking=data.get("ranking"),
             )
             report._restore_order(data.get("divergences") or [])
         except KeyError as exc:
