@@ -243,6 +243,20 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
             "at the first capacity factor; tokens per expert before capacity.</p>"),
             _moe_table(view.moe),
         ]
+    budgets = [(b.index, b.budget) for b in view.report.blocks if b.budget]
+    if budgets:
+        sources = list(dict.fromkeys(k for _, budget in budgets for k in budget))
+        head = "".join(f"<th>{_e(k)}</th>" for k in sources)
+        rows = "".join(
+            f"<tr><th>block {index}</th>" + "".join(f"<td>{budget.get(k, {}).get('share', 0):.0%}</td>" for k in sources) + "</tr>"
+            for index, budget in budgets
+        )
+        parts += [
+            "<h2>Error budget per block</h2>",
+            ('<p class="legend">Share of each block output\'s error, to first order: what came in with the '
+             "block input, and what each sub-path added (its local error × its output's norm).</p>"),
+            f'<table id="budget"><tr><th></th>{head}</tr>{rows}</table>',
+        ]
     parts += [
         f'<script type="application/json" id="blockdiff-report">\n{_embedded_json(data)}\n</script>',
         "</body>",

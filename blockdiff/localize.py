@@ -28,7 +28,7 @@ from .compare import metrics
 from .site import NotReplayable, Site, SiteKey, describe_key
 from .store import MemoryStore, release_freed_memory
 from .tolerance import Tolerance
-from .vocab import NOT_JUDGED, OFFLINE_DRIFT
+from .vocab import EXPERTS, NOT_JUDGED, OFFLINE_DRIFT
 
 T = TypeVar("T")
 
@@ -197,6 +197,7 @@ class Localizer:
             self.moe.append(moe_statistics(exp, pair, subpaths.get("ffn"), self.capacity_factors))
         subpaths["residual"] = residual
         layout = pair.cand_layout
+        budget = None if skip else self.budget(pair, subpaths)
         return BlockResult(
             index=index,
             module=pair.cand_block.module,
@@ -207,7 +208,42 @@ class Localizer:
             order=pair.ref_block.order,
             unmapped=list(layout.unmapped) if layout else [],
             drift_check=exp.drift_check(pair.ref_block, pair.cand_block),
+            budget=budget,
         )
+
+    def budget(self, pair: BlockPair, subpaths: dict[str, SubpathResult]) -> dict[str, dict[str, float]] | None:
+        """Where the block output's error comes from, to first order.
+
+        Each sub-path adds, by its local error, an absolute error of ``local × ‖its reference
+        output‖`` (the residual: its block-output check × ‖the block output‖); the error
+        carried in is ``drift of the block input × ‖the block input‖``, which the residual
+        stream passes on. Errors that small add up to first order, so each source's share of
+        their sum says which hurts the next block most. Exact when one source differs and the
+        block is linear in it (tests/test_ranking.py); an upper-bound split otherwise.
+        """
+        r_block, c_block = pair.ref_block, pair.cand_block
+        x_ref, x_cand = r_block.hidden_input(), c_block.hidden_input()
+        if x_ref is None or x_cand is None or x_ref.shape != x_cand.shape:
+            return None
+        def added(check: Check | None, reference: torch.Tensor | None) -> float:
+            if check is None or check.metrics is None or reference is None:
+                return 0.0
+            return check.metrics.rel_l2 * float(reference.double().norm())
+
+        errors = {"incoming": added(Check("", "", metrics(x_ref, x_cand, dtype=self.dtype), None), x_ref)}  # type: ignore[arg-type]
+        for r, _ in pair.sites():
+            result = subpaths.get(r.subpath)
+            if result is None:
+                continue
+            by_key = {c.key: c for c in result.checks}
+            # A module's own check; an MoE ffn's, its experts' (routing frozen at the reference's).
+            check = by_key.get(f"module:{describe_key(r.key)}") or next((c for c in result.checks if c.what == EXPERTS), None)
+            errors[r.subpath] = errors.get(r.subpath, 0.0) + added(check, r.primary_output())
+        residual = subpaths.get("residual")
+        block_output = next((c for c in residual.checks if c.what == "block output"), None) if residual else None
+        errors["residual"] = added(block_output, r_block.primary_output())
+        whole = sum(errors.values())
+        return {name: {"error": value, "share": value / whole if whole > 0 else 0.0} for name, value in errors.items()}
 
     @staticmethod
     def _routers(pair: BlockPair) -> list[tuple[Site, Site]]:

@@ -99,10 +99,12 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
     console = console or Console()
     view = View.of(report)
     ref, cand = view.report.reference, view.report.candidate
+    def side(meta: dict) -> str:
+        quantized = f"; {meta['quantization']}" if meta.get("quantization") else ""
+        return f"{escape(str(meta['model']))} ({meta['device']}, {meta['dtype']}{escape(quantized)})"
+
     console.print(
-        f"[bold]blockdiff[/] reference {escape(ref['model'])} ({ref['device']}, {ref['dtype']}) "
-        f"vs candidate {escape(cand['model'])} ({cand['device']}, {cand['dtype']}); "
-        f"tolerance {view.tolerance}",
+        f"[bold]blockdiff[/] reference {side(ref)} vs candidate {side(cand)}; tolerance {view.tolerance}",
         highlight=False,
     )
     for note in view.report.notes:

@@ -230,6 +230,9 @@ class BlockResult:
     order: float = 0
     unmapped: list[str] = field(default_factory=list)
     drift_check: Check | None = None  # the block output's drift judged (live candidates)
+    # Where the block output's error comes from, to first order (Localizer.budget):
+    # {"incoming" | sub-path: {"error": absolute L2 error, "share": fraction}}.
+    budget: dict[str, dict[str, float]] | None = None
 
     @property
     def drift_order(self) -> float:
@@ -254,6 +257,7 @@ class BlockResult:
             "drift": _optional(self.drift, Metrics.to_dict),
             "drift_check": _optional(self.drift_check, Check.to_dict),
             "unmapped": self.unmapped,
+            **({"budget": self.budget} if self.budget is not None else {}),
         }
 
     @classmethod
@@ -271,6 +275,7 @@ class BlockResult:
             block=_optional(data.get("block"), Check.from_dict),
             drift=_optional(data.get("drift"), Metrics.from_dict),
             unmapped=list(data.get("unmapped", [])),
+            budget=data.get("budget"),
             drift_check=_optional(data.get("drift_check"), Check.from_dict),
         )
 

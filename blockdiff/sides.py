@@ -100,14 +100,44 @@ class Side(Protocol):
 
 
 def describe(model: nn.Module, layout: Layout, label: str | None) -> dict[str, Any]:
-    """How a report names a live model."""
-    return {
+    """How a report names a live model (with ``quantization`` where it can be seen)."""
+    found = {
         "model": label or type(model).__name__,
         "class": type(model).__name__,
         "device": str(model_device(model)),
         "dtype": dtype_name(model_dtype(model)),
         "hook_map": layout.hook_map.name,
     }
+    quantized = quantization(model)
+    if quantized:
+        found["quantization"] = quantized
+    return found
+
+
+def quantization(model: nn.Module) -> str | None:
+    """What quantization a model shows, in words (``"Int8Tensor weights in 28 modules"``):
+    quantized module classes (``torch.ao``), weights held as tensor subclasses (torchao)
+    or in 8-bit floating or integer dtypes; ``None`` when it shows none."""
+    seen: dict[str, int] = {}
+    for module in model.modules():
+        where = type(module).__module__
+        if ".quantized." in where and next(module.children(), None) is None or ".quantized.dynamic." in where:
+            kind = f"torch.ao {'dynamic ' if '.dynamic.' in where else ''}quantized {type(module).__name__}"
+            if kind.endswith("LinearPackedParams"):
+                continue  # the packed weights of a quantized Linear, counted with it
+            seen[kind] = seen.get(kind, 0) + 1
+            continue
+        for param in module.parameters(recurse=False):
+            if type(param) not in (torch.Tensor, nn.Parameter):
+                kind = f"{type(param).__name__} weights"
+            elif param.dtype.itemsize == 1:
+                kind = f"{dtype_name(param.dtype)} weights"
+            else:
+                continue
+            seen[kind] = seen.get(kind, 0) + 1
+    if not seen:
+        return None
+    return ", ".join(f"{kind} in {count} module{'s' if count > 1 else ''}" for kind, count in sorted(seen.items()))
 
 
 def versions(model: nn.Module) -> dict[str, str]:

@@ -38,3 +38,44 @@ def outlier_int8_dynamic() -> nn.Module:
 
 def build_int8_dynamic() -> nn.Module:
     return int8_dynamic(tinylm.build())
+
+
+class Float8Linear(nn.Module):
+    """A Linear with float8 (e4m3) weights and per-output-channel scales, dequantized in
+    every call: simulated fp8 weights on any device."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        scale = weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        self.weight = nn.Parameter((weight / scale).to(torch.float8_e4m3fn), requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight.to(x.dtype) * self.scale.to(x.dtype), self.bias)
+
+
+def fp8_weights(model: nn.Module) -> nn.Module:
+    """Every ``nn.Linear`` but the head replaced by a :class:`Float8Linear`."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and f"{name}.{child_name}".strip(".") != "lm_head":
+                setattr(module, child_name, Float8Linear(child))
+    return model
+
+
+def torchao_int8(model: nn.Module, *, dynamic: bool = False) -> nn.Module:
+    """torchao int8 weight-only (or int8 dynamic activation, int8 weight) quantization."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+
+    quantize_(model, Int8DynamicActivationInt8WeightConfig() if dynamic else Int8WeightOnlyConfig())
+    return model
+
+
+def outlier_fp8() -> nn.Module:
+    return fp8_weights(outlier())
+
+
+def outlier_int8_weight_only() -> nn.Module:
+    return torchao_int8(outlier())

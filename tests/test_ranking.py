@@ -57,3 +57,57 @@ def test_ranking_through_the_cli_and_the_json(tmp_path, capsys, outlier_ranking)
 def test_a_plain_diff_has_no_ranking(ids):
     report = blockdiff.diff(quant.outlier(), quant.outlier(), ids)
     assert report.ranking is None and "ranking" not in report.to_dict()
+
+
+def test_the_report_names_the_quantization_it_sees(ids):
+    report = blockdiff.diff(quant.outlier(), quant.outlier_int8_dynamic(), ids)
+    assert report.candidate["quantization"] == "torch.ao dynamic quantized Linear in 29 modules"
+    assert report.candidate["dtype"] == "float32" and "quantization" not in report.reference
+    report = blockdiff.diff(quant.outlier(), quant.outlier_fp8(), ids)
+    assert report.candidate["quantization"] == "float8_e4m3fn weights in 28 modules"
+
+
+def test_torchao_int8_weight_only_ranks_the_outlier_layer_first(ids):
+    pytest.importorskip("torchao")
+    report = blockdiff.diff(quant.outlier(), quant.outlier_int8_weight_only(), ids, rank=True)
+    assert report.candidate["quantization"] == "Int8Tensor weights in 29 modules"
+    assert [(e["block"], e["subpath"], e["child"]) for e in report.ranking[:2]] == [(2, "ffn", None), (2, "ffn", "blocks.2.ffn.down_proj")]
+
+
+class ScaledFFN(__import__("samples.tinylm", fromlist=["SwiGLU"]).SwiGLU):
+    """The FFN's output times (1 + 1e-3): a known, linear error."""
+
+    def forward(self, x):
+        return super().forward(x) * 1.001
+
+
+def test_the_error_budget_on_a_hand_computable_case(ids):
+    from samples import tinylm
+
+    candidate = tinylm.build()
+    candidate.blocks[1].ffn.__class__ = ScaledFFN
+    report = blockdiff.diff(tinylm.build(), candidate, ids, tolerance=blockdiff.Tolerance(overrides={"ffn": 1.0, "drift": 1.0, "block": 1.0}))
+    block = report.blocks[1]
+    # Only the FFN differs, and the block adds its output to the residual stream: all of
+    # the block output's error is the FFN's, and it is exactly 1e-3 × ‖FFN output‖.
+    assert block.budget["ffn"]["share"] == pytest.approx(1.0)
+    assert block.budget["incoming"]["share"] == 0.0
+    assert block.budget["ffn"]["error"] == pytest.approx(block.drift.rel_l2 * _norm_of_block_output(ids, 1), rel=1e-4)
+    # The next block only passes it on.
+    assert report.blocks[2].budget["incoming"]["share"] == pytest.approx(1.0)
+    from blockdiff.html import document
+
+    assert 'id="budget"' in document(report, image=False)
+    assert report.to_dict()["blocks"][1]["budget"]["ffn"]["share"] == pytest.approx(1.0)
+
+
+def _norm_of_block_output(ids, index: int) -> float:
+    from blockdiff.capture import record
+    from blockdiff.store import MemoryStore
+    from samples import tinylm
+
+    model = tinylm.build()
+    store = MemoryStore()
+    record(model, blockdiff.resolve(model), store, ids)
+    (site,) = [s for s in store.block_sites(index) if s.subpath is None]
+    return float(site.primary_output().double().norm())
