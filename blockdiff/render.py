@@ -369,8 +369,11 @@ def render_ranking(report: Report, console: Console, *, top: int) -> None:
     for place, entry in enumerate(ranking[:top], start=1):
         where = entry["stage"] if entry["stage"] != "block" else f"block {entry['block']} {entry['subpath']}"
         module = entry["child"] or entry["module"]
+        share = f"  share {entry['share']:.0%}" if entry.get("share") is not None else ""
         console.print(
-            f"  {place:>2}. {escape(where):<22} {escape(module):<40} rel_l2 {fmt(entry['value'], '.3g')}  "
-            f"baseline {fmt(entry['baseline'], '.3g')}  {fmt(entry['ratio'], '.1f')}x",
+            f"  {place:>2}. {escape(where):<15} {escape(module):<26} rel_l2 {fmt(entry['value'], '.3g'):<9} "
+            f"baseline {fmt(entry['baseline'], '.3g'):<9} {fmt(entry['ratio'], '.1f')}x{share}",
             highlight=False,
         )
+    if any(e.get("share") is not None for e in ranking[:top]):
+        console.print("  share: of all the error the sub-paths added (first order: of the final drift)", style="dim", highlight=False)

@@ -24,6 +24,12 @@ SCHEMA = "blockdiff.report/1"
 
 
 
+def _budget(budget: dict[str, dict[str, Any]], number: Any) -> dict[str, dict[str, Any]]:
+    """A block's budget with each number through ``number`` (to or from JSON: NaN and
+    infinities are strings there)."""
+    return {source: {key: number(value) for key, value in entry.items()} for source, entry in budget.items()}
+
+
 # A site's drift is measured at its output: just after its local checks in execution order.
 DRIFT_AFTER = 1e-3
 
@@ -257,7 +263,7 @@ class BlockResult:
             "drift": _optional(self.drift, Metrics.to_dict),
             "drift_check": _optional(self.drift_check, Check.to_dict),
             "unmapped": self.unmapped,
-            **({"budget": self.budget} if self.budget is not None else {}),
+            **({"budget": _budget(self.budget, json_number)} if self.budget is not None else {}),
         }
 
     @classmethod
@@ -275,7 +281,7 @@ class BlockResult:
             block=_optional(data.get("block"), Check.from_dict),
             drift=_optional(data.get("drift"), Metrics.from_dict),
             unmapped=list(data.get("unmapped", [])),
-            budget=data.get("budget"),
+            budget=_budget(data["budget"], from_json_number) if data.get("budget") is not None else None,
             drift_check=_optional(data.get("drift_check"), Check.from_dict),
         )
 
@@ -436,25 +442,34 @@ class Report:
 
         Each entry: ``stage``, ``block``, ``subpath``, ``module`` (the sub-path's or
         stage's), ``child`` (a drilled child's module, else ``None``), ``value``,
-        ``baseline``, ``ratio``.
+        ``baseline``, ``ratio``, and ``share``: for a sub-path, its share of all the error
+        the sub-paths added (their budgets), which stands for its share of the final drift
+        to first order (``None`` for stages and children).
         """
         entries: list[dict[str, Any]] = []
+        # Every error the sub-paths added, to first order (the blocks' budgets): a
+        # sub-path's share of it stands for its share of the final drift.
+        added = sum(v["error"] for b in self.blocks for k, v in (b.budget or {}).items() if k != "incoming")
 
-        def add(stage: str, block: int | None, subpath: str | None, module: str, check: Check, child: str | None) -> None:
+        def add(stage: str, block: BlockResult | None, subpath: str | None, module: str, check: Check, child: str | None) -> None:
             if check.metrics is None:
                 return
             base = baseline.get(check.key) if baseline is not None and check.key is not None else None
             base = base if isinstance(base, (int, float)) and base > 0 else check.threshold.value
+            share = None
+            if block is not None and child is None and block.budget and subpath in block.budget and added > 0:
+                share = json_number(block.budget[subpath]["error"] / added)
             entries.append(
                 {
                     "stage": stage,
-                    "block": block,
+                    "block": None if block is None else block.index,
                     "subpath": subpath,
                     "module": module,
                     "child": child,
                     "value": json_number(check.measured),
                     "baseline": json_number(base),
                     "ratio": json_number(check.measured / base),
+                    "share": share,
                 }
             )
 
@@ -464,9 +479,9 @@ class Report:
         for block in self.blocks:
             for name, result in block.subpaths.items():
                 for check in result.checks:
-                    add("block", block.index, name, check.module, check, None)
+                    add("block", block, name, check.module, check, None)
                     for child in check.children or []:
-                        add("block", block.index, name, check.module, child, child.module)
+                        add("block", block, name, check.module, child, child.module)
         return sorted(entries, key=lambda e: -from_json_number(e["ratio"]))
 
     @property

@@ -43,18 +43,30 @@ def test_bugs_in_a_modules_own_code_name_no_child(name, ids):
         assert first.subpath == "residual" or first.stage == "head" or first.subpath == "norm"
 
 
-@pytest.mark.parametrize("family", ["gemma2", "phi3", "olmo2", "gpt2", "falcon"])
-def test_hugging_face_family_ffn_bugs_drill_to_their_child_or_own_code(family, ids):
-    report = blockdiff.diff(hf_families.build(family=family), hf_families.ffn_bug(family=family), hf_families.inputs(family, ids))
+# Where each Hugging Face family's planted attention and FFN bug lives: the child module
+# that holds it, or None for a bug in the sub-path module's own forward code.
+WHERE = {
+    ("gemma2", "ffn"): "model.layers.1.mlp.act_fn",
+    ("gemma3", "ffn"): "model.layers.1.mlp.act_fn",
+    ("olmo2", "ffn"): "model.layers.1.mlp.act_fn",
+    ("phi3", "attention"): "model.layers.1.self_attn.qkv_proj",  # its fused projection's split
+    ("gpt2", "ffn"): "transformer.h.1.mlp.act",
+    ("gpt_neox", "ffn"): "gpt_neox.layers.1.mlp.act",
+    ("falcon", "ffn"): "transformer.h.1.mlp.act",
+    ("bert", "ffn"): "bert.encoder.layer.1.intermediate.intermediate_act_fn",
+    ("t5", "ffn"): "encoder.block.1.layer.1.DenseReluDense.act",
+}
+
+
+@pytest.mark.parametrize("family", hf_families.FAMILIES)
+@pytest.mark.parametrize("subpath", ["attention", "ffn"])
+def test_hugging_face_family_bugs_drill_to_their_child_or_own_code(family, subpath, ids):
+    bug = {"attention": hf_families.attention_bug, "ffn": hf_families.ffn_bug}[subpath]
+    report = blockdiff.diff(hf_families.build(family=family), bug(family=family), hf_families.inputs(family, ids))
     first = report.first_divergence
-    assert blamed(report)[2] == "ffn" and first.check.children is not None
+    assert blamed(report) == ("block", 1, subpath) and first.check.children
     child = first.check.first_child
-    # The families' ffn bugs swap the activation module where the model has one.
-    expected = {"gemma2": "act_fn", "olmo2": "act_fn", "gpt2": "act", "falcon": "act"}.get(family)
-    if expected is None:
-        assert child is None or child.module.endswith(("act_fn", "activation_fn"))
-    else:
-        assert child is not None and child.module.endswith(f".{expected}"), [c.module for c in first.check.children]
+    assert (child and child.module) == WHERE.get((family, subpath))
 
 
 def test_the_drill_down_is_in_the_json_the_terminal_and_the_html(ids, capsys, tmp_path):
