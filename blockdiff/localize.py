@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 
 from .experiments import Experiments, StoredFloors
-from .moe import moe_checks, moe_statistics
+from .moe import moe_checks, moe_statistics, routing_shapes_differ
 from .pairing import BlockPair, check_block_counts, check_paired, in_order, outside_position, pair_block, pair_outside
 from .report import BlockResult, Check, StageResult, SubpathResult
 from .sides import Side
@@ -159,6 +159,8 @@ class Localizer:
         if not self.cand.live:
             return self._drift_only(pair)
         exp = self.experiments
+        if pair.moe:
+            pair.routing_differs = routing_shapes_differ(exp, pair)
         block_check = None
         where = f"block {index}"
         if pair.cand_layout is not None:
@@ -193,7 +195,7 @@ class Localizer:
                 residual.status = NOT_JUDGED
             else:
                 residual.checks = checks
-        if pair.moe:
+        if pair.moe and not pair.routing_differs:
             self.moe.append(moe_statistics(exp, pair, subpaths.get("ffn"), self.capacity_factors))
         subpaths["residual"] = residual
         layout = pair.cand_layout

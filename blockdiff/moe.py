@@ -31,7 +31,7 @@ from .moe_stats import Routing, moe_block_stats
 from .report import Check, SubpathResult
 from .site import Site, describe_key, iter_tensors, snapshot
 from .tolerance import Threshold, Tolerance
-from .vocab import EXPERTS, ROUTER_FORMATS, ROUTER_LOGITS, ROUTER_WEIGHTS, ROUTING_FLIPS
+from .vocab import EXPERTS, ROUTER_FORMATS, ROUTER_LOGITS, ROUTER_WEIGHTS, ROUTING_DIFFERS, ROUTING_FLIPS
 
 if TYPE_CHECKING:
     from .experiments import Experiments
@@ -97,6 +97,35 @@ def margins(routing: Routing) -> torch.Tensor:
     return z[:, k - 1] - z[:, k]
 
 
+def routing_shape(decision: Decision) -> tuple[int, int]:
+    """(experts, experts per token) of a routing decision."""
+    return int(decision.routing.logits.shape[-1]), int(decision.routing.indices.shape[-1])
+
+
+def routing_differs(reference: Decision, candidate: Decision, module: str) -> Check:
+    """A divergence of the router part: the candidate routes to another number of experts,
+    or of experts per token — the config bugs ported into MoE code."""
+    (r_experts, r_k), (c_experts, c_k) = routing_shape(reference), routing_shape(candidate)
+    differences = []
+    if c_k != r_k:
+        differences.append(f"top-{c_k} where the reference routes top-{r_k}")
+    if c_experts != r_experts:
+        differences.append(f"{c_experts} experts where the reference has {r_experts}")
+    return Check(
+        ROUTING_DIFFERS,
+        module,
+        None,
+        Threshold(0.5, "fixed", None),
+        value=1.0,
+        metric="routing_differs",
+        details={
+            "reference": {"experts": r_experts, "top_k": r_k},
+            "candidate": {"experts": c_experts, "top_k": c_k},
+            "message": "the candidate routes " + " and ".join(differences),
+        },
+    )
+
+
 def router_checks(
     reference: Decision,
     candidate: Decision,
@@ -115,11 +144,10 @@ def router_checks(
             ``None`` (fixed policy).
     """
     r, c = reference.routing, candidate.routing
+    if r.logits.shape[0] != c.logits.shape[0]:
+        raise PairingError(f"{module}: candidate router sees {c.logits.shape[0]} tokens, reference {r.logits.shape[0]}")
     if r.logits.shape != c.logits.shape or r.indices.shape != c.indices.shape:
-        raise PairingError(
-            f"{module}: candidate router gives logits {list(c.logits.shape)} and indices "
-            f"{list(c.indices.shape)}, reference {list(r.logits.shape)} and {list(r.indices.shape)}"
-        )
+        return [routing_differs(reference, candidate, module)]
 
     def threshold(value: float | None) -> Threshold:
         return tolerance.threshold("ffn", dtype, value)
@@ -217,6 +245,8 @@ def moe_checks(exp: Experiments, pair: BlockPair, r_ffn: Site, c_ffn: Site) -> l
     )
     floor = None if floor_output is None else side_decision(exp.ref, r_layout, r_router, floor_output)
     checks = router_checks(ref, cand, floor, module=c_router.module, tolerance=exp.tolerance, dtype=exp.dtype)
+    if checks[0].what == ROUTING_DIFFERS:
+        return checks  # the experts' math cannot run on a routing of another shape
 
     ref_out = r_ffn.primary_output()
     assert ref_out is not None
@@ -256,3 +286,18 @@ def moe_statistics(
         **stats,
         "local_flips": local,
     }
+
+
+def routing_shapes_differ(exp: Experiments, pair: BlockPair) -> bool:
+    """Whether the two sides' recorded routers route to another number of experts or of
+    experts per token (then routing is not frozen across sides, and the router is blamed)."""
+    assert pair.ref_layout is not None and pair.cand_layout is not None
+    for key, r_router in pair.ref_routers.items():
+        c_router = pair.cand_routers.get(key)
+        if c_router is None:
+            continue
+        ref = side_decision(exp.ref, pair.ref_layout, r_router)
+        cand = side_decision(exp.cand, pair.cand_layout, c_router)
+        if routing_shape(ref) != routing_shape(cand):
+            return True
+    return False

@@ -91,6 +91,9 @@ class BlockPair:
     cand_routers: dict[SiteKey, Site] = field(default_factory=dict)
     ref_layout: BlockLayout | None = None
     cand_layout: BlockLayout | None = None
+    # Whether the two sides route to another number of experts or experts per token: a
+    # routing of one shape cannot be frozen into the other (set by the localizer).
+    routing_differs: bool = False
 
     @property
     def moe(self) -> bool:
@@ -117,7 +120,7 @@ class BlockPair:
     def routing(self) -> dict[tuple[str, int], tuple[Site, Site]]:
         """Every router of an MoE block, frozen at the reference's decision: (reference
         router site, candidate router site) by ("router", ordinal)."""
-        if not self.moe:
+        if not self.moe or self.routing_differs:
             return {}
         return {("router", k.ordinal): (r, self.cand_routers[k]) for k, r in self.ref_routers.items()}
 

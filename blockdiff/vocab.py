@@ -43,10 +43,12 @@ ROUTER_LOGITS = "router logits"
 ROUTER_WEIGHTS = "router weights (tokens whose top-k agree)"
 ROUTING_FLIPS = "routing flips"
 EXPERTS = "experts (routing frozen at the reference's)"
+# The candidate routes differently: another number of experts or of experts per token.
+ROUTING_DIFFERS = "routing differs"
 OFFLINE_DRIFT = "drift (offline)"
 # The free-running candidate judged against its tolerance at a site: the "drift" target,
 # calibrated against the reference's own free run at the candidate's precision. Its
 # divergence, when no local check explains it, is blamed on the sub-path "drift".
 DRIFT = "drift"
 # The part of an MoE ffn a check judges (``Check.part``), by its kind.
-PART_OF = {ROUTER_LOGITS: "router", ROUTER_WEIGHTS: "router", ROUTING_FLIPS: "router", EXPERTS: "experts"}
+PART_OF = {ROUTER_LOGITS: "router", ROUTER_WEIGHTS: "router", ROUTING_FLIPS: "router", ROUTING_DIFFERS: "router", EXPERTS: "experts"}

@@ -177,3 +177,31 @@ def test_switch_clean_bfloat16_blames_nothing(switch_inputs):
     report = diff(hf_moe.build_switch(), hf_moe.build_switch().to(torch.bfloat16), switch_inputs)
     assert report.first_divergence is None
     assert {b.stack for b in report.blocks} == {"encoder.block", "decoder.block"}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_a_candidate_routing_top_1_where_the_reference_routes_top_2_is_a_router_divergence(arch, ids):
+    from samples import hf_moe
+
+    report = diff(hf_moe.build(arch=arch), hf_moe.build(arch=arch, num_experts_per_tok=1), ids)
+    first = report.first_divergence
+    assert blamed(report) == ("block", 0, "ffn") and first.check.part == "router"
+    assert first.headline().endswith("the candidate routes top-1 where the reference routes top-2")
+    assert report.to_dict()["first_divergence"]["part"] == "router"
+    (check,) = report.to_dict()["blocks"][0]["subpaths"]["ffn"]["checks"]
+    assert check["details"]["candidate"] == {"experts": 8, "top_k": 1} and check["details"]["reference"]["top_k"] == 2
+    # Routing of another shape is never frozen across sides: no block is unattributed.
+    assert all(d.subpath == "ffn" for d in report.divergences)
+
+
+def test_another_number_of_experts_is_a_router_divergence_through_the_cli(tmp_path, capsys):
+    from tests.conftest import run_cli
+
+    factory = tmp_path / "moe_factories.py"
+    factory.write_text(
+        "from samples import tinylm\n"
+        "def four(): return tinylm.build_moe(experts=4)\n"
+    )
+    code, out, err = run_cli(["diff", "samples/tinylm.py:build_moe", f"{factory}:four", "-q"], capsys)
+    assert code == 1, err
+    assert "(router: routing differs)" in out and "4 experts where the reference has" in out
