@@ -11,7 +11,6 @@ prints each one's capture time and file size as a ratio to the plain capture's.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -21,20 +20,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.overhead import build, timed  # noqa: E402
+from benchmarks.overhead import build, setup, timed  # noqa: E402
 from blockdiff.engine import capture  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller model, for a smoke run")
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    sizes, seq, repeat = dict(hidden=512, intermediate=1376, vocab=32000), 256, 3
-    if args.quick:
-        sizes, seq, repeat = dict(hidden=128, intermediate=344, vocab=4000), 64, 2
+    sizes, seq, repeat, ids, _ = setup(__doc__, repeat=3)
     model = build(8, **sizes)
-    ids = torch.randint(0, sizes["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, 8 blocks, seq {seq}")
     ways = {
         "plain": [],

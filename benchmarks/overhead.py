@@ -211,18 +211,25 @@ def peak_rss(blocks: int, sizes: dict, seq: int, mode: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]:
+    """What every benchmark here measures on: ``--quick`` or not from the command line,
+    two threads; returns the model sizes, sequence length, repeats, token ids (batch 1)
+    and whether it is a quick run."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, for a smoke run")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    sizes = dict(hidden=512, intermediate=1376, vocab=32000)
-    seq, repeat = 256, 5
+    sizes, seq = dict(hidden=512, intermediate=1376, vocab=32000), 256
     if args.quick:
-        sizes, seq, repeat = dict(hidden=128, intermediate=344, vocab=4000), 64, 3
+        sizes, seq, repeat = dict(hidden=128, intermediate=344, vocab=4000), 64, min(repeat, 3)
+    ids = torch.randint(0, sizes["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
+    return sizes, seq, repeat, ids, args.quick
+
+
+def main() -> None:
+    sizes, seq, repeat, ids, quick = setup(__doc__, repeat=5)
     model = build(8, **sizes)
     params = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(0, sizes["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
     layout = resolve(model)
     print(f"model: {type(model).__name__}, {params / 1e6:.1f}M parameters, 8 blocks, batch 1, seq {seq}, "
           f"float32, CPU, {torch.get_num_threads()} threads")
@@ -276,11 +283,11 @@ def main() -> None:
     print(f"   dump throughput, checksums on / off (goal >= 0.85): write {rates['checksums write on/off']:.3f}, "
           f"read verified / unverified {rates['checksums read on/off']:.3f} (median of 15 interleaved pairs)")
 
-    small, large = (2, 4) if args.quick else (8, 16)
+    small, large = (2, 4) if quick else (8, 16)
     a, b = peak_rss(small, sizes, seq, "capture"), peak_rss(large, sizes, seq, "capture")
     print(f"   capture streamed to HDF5, peak above its starting RSS: {small} blocks {(a['peak'] - a['before']) / 2**20:.0f} MiB, "
           f"{large} blocks {(b['peak'] - b['before']) / 2**20:.0f} MiB")
-    small, large = (2, 8) if args.quick else (8, 32)
+    small, large = (2, 8) if quick else (8, 32)
     for mode in ("stream", "memory"):
         a, b = peak_rss(small, sizes, seq, mode), peak_rss(large, sizes, seq, mode)
         # The diff's peak above the RSS it started from (the weights of both models are

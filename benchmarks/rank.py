@@ -12,7 +12,6 @@ at bfloat16), and prints each as a ratio to the plain diff.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,21 +20,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.overhead import build, timed  # noqa: E402
+from benchmarks.overhead import build, setup, timed  # noqa: E402
 from blockdiff import diff  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller model, for a smoke run")
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    sizes, seq, repeat = dict(hidden=512, intermediate=1376, vocab=32000), 256, 2
-    if args.quick:
-        sizes, seq, repeat = dict(hidden=128, intermediate=344, vocab=4000), 64, 2
+    sizes, seq, repeat, ids, _ = setup(__doc__, repeat=2)
     reference = build(8, **sizes)
     candidate = torch.ao.quantization.quantize_dynamic(build(8, **sizes), {torch.nn.Linear}, dtype=torch.qint8)
-    ids = torch.randint(0, sizes["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
     ways = {
         "diff": {},
         "diff --rank": {"rank": True},

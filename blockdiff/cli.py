@@ -249,7 +249,8 @@ def diff_command(
     from functools import partial
 
     from . import engine, hookmap
-    from .loading import build_model, is_dump, parse_device, parse_dtype
+    from .dtypes import parse_dtype
+    from .loading import build_model, is_dump, parse_device
     from .tolerance import Tolerance
 
     overrides = _parse_tolerances(tols)
@@ -335,14 +336,13 @@ def _emit(
     """Write the JSON report and pictures (each said on stderr, but with ``quiet``), print
     the report (and the worst ``rank`` of its ranking), exit 1 on divergence."""
     from .render import render, render_ranking
-    from .view import headline
 
     if json_path:
         _write("JSON report", json_path, lambda: report.write_json(json_path), quiet=quiet)
     _pictures(report, plot_path=plot_path, html_path=html_path, quiet=quiet)
     if quiet:
         first = report.first_divergence
-        click.echo("no divergence" if first is None else f"first divergence: {headline(first)}")
+        click.echo("no divergence" if first is None else f"first divergence: {first.headline()}")
     else:
         render(report, _console(), advice=_advice(json_path=json_path))
     if rank is not None and report.ranking is not None:
@@ -429,7 +429,8 @@ def capture_command(
       blockdiff diff golden.h5 samples/bugs.py:gelu_for_silu --cand-dtype bfloat16
     """
     from . import engine, hookmap
-    from .loading import build_model, parse_device, parse_dtype
+    from .dtypes import parse_dtype
+    from .loading import build_model, parse_device
 
     r_device, r_dtype = parse_device(device), parse_dtype(dtype)
     precisions = []

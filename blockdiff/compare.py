@@ -10,7 +10,7 @@ gets an infinite relative L2, so it always exceeds its tolerance.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -34,15 +34,18 @@ class Metrics:
     nonfinite_cand: int
     mismatched: int
     numel: int
+    # ‖c − r‖ itself: what an error budget adds up (not in the JSON, which keeps relative
+    # measures; NaN for a report read back from JSON).
+    error_l2: float = field(default=math.nan, compare=False, metadata={"json": False})
 
     def to_dict(self) -> dict:
-        return {k: json_number(v) for k, v in asdict(self).items()}
+        return {f.name: json_number(getattr(self, f.name)) for f in fields(self) if f.metadata.get("json", True)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Metrics:
         """The metrics of :meth:`to_dict`, or of a dict that holds them among other keys (a
         check's)."""
-        return cls(**{f.name: from_json_number(data[f.name]) for f in fields(cls)})
+        return cls(**{f.name: from_json_number(data[f.name]) for f in fields(cls) if f.metadata.get("json", True)})
 
 
 def json_number(value: float | int) -> float | int | str:
@@ -120,7 +123,7 @@ def _metrics(reference: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtyp
             torch.equal(r[~fin_r].nan_to_num(0.0, 1.0, -1.0), c[~fin_c].nan_to_num(0.0, 1.0, -1.0))
         )
         if not same_pattern:
-            return Metrics(math.inf, math.inf, math.nan, -math.inf, nonfinite_ref, nonfinite_cand, mismatched, numel)
+            return Metrics(math.inf, math.inf, math.nan, -math.inf, nonfinite_ref, nonfinite_cand, mismatched, numel, math.inf)
         # Identical non-finite pattern on both sides: compare the finite elements.
         r, c = r[fin_r], c[fin_c]
         diff = c - r
@@ -140,4 +143,4 @@ def _metrics(reference: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtyp
     else:
         cosine = 1.0 if norm_r == norm_c else 0.0
     sqnr_db = math.inf if norm_d == 0 else (20 * math.log10(norm_r / norm_d) if norm_r > 0 else -math.inf)
-    return Metrics(rel_l2, max_abs, cosine, sqnr_db, nonfinite_ref, nonfinite_cand, mismatched, numel)
+    return Metrics(rel_l2, max_abs, cosine, sqnr_db, nonfinite_ref, nonfinite_cand, mismatched, numel, norm_d)

@@ -52,7 +52,7 @@ from .localize import Localizer, NonfiniteScan
 from .pairing import check_block_counts
 from .report import Report
 from .site import describe_key
-from .sides import DumpSide, LiveSide, Side, compiled_code_limits, describe, versions
+from .sides import DumpSide, LiveSide, Side, compiled_code_limits, versions
 from .store import MemoryStore, release_freed_memory
 from .experiments import StoredFloors
 from .tolerance import Tolerance, working_dtype
@@ -429,7 +429,7 @@ def compare_dumps(
         # Two dumps have no live modules to calibrate with: drift is judged against the drift
         # floors the reference stored for the candidate's precision, else fixed thresholds.
         floors = ref_dump.floors()
-        stored = precision_label(working_dtype(ref.dtype, cand.dtype), cand.device) in floors
+        stored = StoredFloors.of(floors, ref, cand) is not None
         tolerance = tolerance or Tolerance()
         if tolerance.policy is None:  # the user's choice stands; blockdiff's follows the floors
             tolerance = replace(tolerance, policy="calibrated" if stored else "fixed")
@@ -540,8 +540,8 @@ def _localize(
         same_dtype=ref.dtype == cand.dtype,
         same_device=ref.device == cand.device,
     )
+    stored = StoredFloors.of(floors, ref, cand)
     label = precision_label(working_dtype(ref.dtype, cand.dtype), cand.device)
-    stored = StoredFloors(label, floors[label]["values"]) if floors and label in floors else None
     localizer = Localizer(
         ref, cand, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, stored=stored, drill_all=rank
     )
@@ -557,7 +557,7 @@ def _localize(
         reference=dict(ref.meta),
         candidate=dict(cand.meta),
         inputs=describe_inputs(inputs),
-        tolerance=tolerance.to_dict(localizer.dtype),
+        tolerance=tolerance.to_dict(localizer.experiments.dtype),
         stages=stages,
         blocks=blocks,
         moe=localizer.moe,
@@ -593,7 +593,7 @@ def _localize(
     if localizer.experiments.stored is not None:
         report.tolerance["floors"] = f"stored {label}"
         report.notes.append(f"calibrated (stored floors): the dump's noise floors measured at {label}")
-    elif tolerance.calibrated and not localizer.calibrate:
+    elif tolerance.calibrated and not localizer.experiments.calibrated:
         if floors:
             why = f"it stores floors for {', '.join(floors)}, not for the candidate's {label}"
         else:
@@ -719,6 +719,3 @@ def describe_inputs(inputs: Inputs | None) -> dict[str, Any]:
         kind, shape = ("args" if isinstance(inputs, tuple) else "kwargs"), None
     return {"kind": kind, "shape": shape, "digest": digest(inputs)}
 
-
-# How the report names a live side (kept for callers of the 0.2 API).
-describe_side = describe

@@ -25,6 +25,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from .compare import Metrics, metrics
+from .dtypes import precision_label
 from .errors import PairingError, ShapeMismatchError
 from .hookmap import BlockLayout
 from .pairing import BlockPair, in_order
@@ -108,15 +109,18 @@ class Experiments:
         broadcast = self.ref.layout.options(r.module).broadcast or self.cand.layout.options(c.module).broadcast
         return comparable(describe_key(c.key), "output", ref_out, cand_out, broadcast=broadcast)
 
-    def drift_check(self, r: Site, c: Site) -> Check | None:
-        """Drift judged: against its calibrated floor — the drift of the reference's own
-        free run at the candidate's precision (:attr:`free_run`, recorded by the engine) —
-        or the fixed threshold."""
-        drift = self.drift(r, c)
+    def drift_check(
+        self, r: Site, c: Site, drift: Metrics | None, *, target: str = DRIFT, what: str = DRIFT
+    ) -> Check | None:
+        """``drift`` (:meth:`drift` of the pair, computed once by the caller) judged: against
+        its calibrated floor — the drift of the reference's own free run at the candidate's
+        precision (:attr:`free_run`, recorded by the engine), or what a dump stored for it —
+        or the fixed threshold of ``target``. An offline comparison judges each site's drift
+        this way under its own target (``what``: ``drift (offline)``)."""
         if drift is None:
             return None
         floor = self.with_floor(f"drift:{describe_key(r.key)}", lambda side: self.free_run_floor(r))
-        return Check(DRIFT, c.module, drift, self.tolerance.threshold(DRIFT, self.dtype, floor))
+        return Check(what, c.module, drift, self.tolerance.threshold(target, self.dtype, floor), order=r.order)
 
     def free_run_floor(self, r: Site) -> float | None:
         """Drift of the reference's free run at the candidate's precision at site ``r``."""
@@ -251,6 +255,13 @@ class StoredFloors:
     def __init__(self, label: str, values: dict[str, Any]) -> None:
         self.label = label
         self.values = values
+
+    @classmethod
+    def of(cls, floors: dict[str, Any] | None, reference: Side, candidate: Side) -> "StoredFloors | None":
+        """The floors a dump stored (``floors``, by label) for the precision a diff of
+        ``reference`` and ``candidate`` is judged at; ``None`` when it stored none for it."""
+        label = precision_label(working_dtype(reference.dtype, candidate.dtype), candidate.device)
+        return cls(label, floors[label]["values"]) if floors and label in floors else None
 
     def get(self, key: str) -> Any:
         return self.values.get(key)

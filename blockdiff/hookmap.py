@@ -511,12 +511,3 @@ def layout_from_dict(data: dict[str, Any]) -> Layout:
         raise HookMapError(f"stored layout is malformed ({type(exc).__name__}: {exc})") from None
     return Layout(hook_map=hook_map, outside=outside, blocks=blocks, modules=modules)
 
-
-def __getattr__(name: str) -> Any:
-    # ``hookmap.detect`` (docs/hook-maps.md) is looked up on first use: autodetect imports
-    # this module, so importing it at the top would be a cycle (PEP 562).
-    if name == "detect":
-        from .autodetect import detect
-
-        return detect
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .dtypes import dtype_name, parse_dtype  # noqa: F401  (parse_dtype re-exported: the CLI's import)
+from .dtypes import dtype_name
 from .errors import InputError, ModelSpecError
 from .inputs import model_device, model_dtype
 from .weights import trained_looking_

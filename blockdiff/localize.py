@@ -24,7 +24,7 @@ from .moe import moe_checks, moe_statistics, routing_shapes_differ
 from .pairing import BlockPair, check_block_counts, check_paired, in_order, outside_position, pair_block, pair_outside
 from .report import BlockResult, Check, StageResult, SubpathResult
 from .sides import Side
-from .compare import metrics
+from .compare import Metrics, metrics
 from .site import NotReplayable, Site, SiteKey, describe_key
 from .store import MemoryStore, release_freed_memory
 from .tolerance import Tolerance
@@ -66,8 +66,6 @@ class Localizer:
         self.drill_all = drill_all
         self.tolerance = tolerance
         self.fast_path = fast_path
-        self.dtype = self.experiments.dtype
-        self.calibrate = self.experiments.calibrated
         self.capacity_factors = tuple(capacity_factors)
         self.moe: list[dict[str, Any]] = []  # routing statistics, one entry per MoE block
         self.nonfinite = NonfiniteScan()
@@ -86,25 +84,18 @@ class Localizer:
             )
             return None
 
-    def _drift_check(self, target: str, r: Site, c: Site) -> Check | None:
-        drift = self.experiments.drift(r, c)
-        if drift is None:
-            return None
-        # Floors a reference dump stored for the candidate dump's precision judge drift too.
-        floor = self.experiments.with_floor(f"drift:{describe_key(r.key)}", lambda side: None)
-        return Check(OFFLINE_DRIFT, c.module, drift, self.tolerance.threshold(target, self.dtype, floor), order=r.order)
-
     def stages(self) -> Iterator[StageResult]:
         """Local errors and drift of the sites outside blocks (embed, context, final norm, head)."""
         pairs = pair_outside(self.ref.store, self.cand.store, self.ref.layout, self.cand.layout)
         for r, c in pairs:
             self.nonfinite.see(r, c)
+            drift = self.experiments.drift(r, c)
             if self.cand.live:
                 check = self._judged(r.stage, lambda: self.experiments.module_check(r.stage, r, c))
-                judged = self.experiments.drift_check(r, c)
+                judged = self.experiments.drift_check(r, c, drift)
             else:  # the drift check is the stage's only check
-                check, judged = self._drift_check(r.stage, r, c), None
-            result = StageResult(r.stage, c.module, check, self.experiments.drift(r, c), order=r.order, drift_check=judged)
+                check, judged = self.experiments.drift_check(r, c, drift, target=r.stage, what=OFFLINE_DRIFT), None
+            result = StageResult(r.stage, c.module, check, drift, order=r.order, drift_check=judged)
             if self.cand.live and check is not None and check.diverged:
                 result.boundary_move = self._boundary_move(r, check, pairs)
             yield result
@@ -132,7 +123,7 @@ class Localizer:
         expected, got = ref_next.hidden_input(), cand_next.hidden_input()
         if expected is None or got is None or expected.shape != got.shape:
             return None
-        agreement = metrics(expected, got, dtype=self.dtype)
+        agreement = metrics(expected, got, dtype=self.experiments.dtype)
         if agreement.nonfinite_cand or not agreement.rel_l2 <= check.threshold.value:
             return None
         self.notes.append(
@@ -200,26 +191,27 @@ class Localizer:
         subpaths["residual"] = residual
         layout = pair.cand_layout
         budget = None if skip else self.budget(pair, subpaths)
+        drift = exp.drift(pair.ref_block, pair.cand_block)
         return BlockResult(
             index=index,
             module=pair.cand_block.module,
             stack=layout.stack if layout else "",
             subpaths=subpaths,
             block=block_check,
-            drift=exp.drift(pair.ref_block, pair.cand_block),
+            drift=drift,
             order=pair.ref_block.order,
             unmapped=list(layout.unmapped) if layout else [],
-            drift_check=exp.drift_check(pair.ref_block, pair.cand_block),
+            drift_check=exp.drift_check(pair.ref_block, pair.cand_block, drift),
             budget=budget,
         )
 
     def budget(self, pair: BlockPair, subpaths: dict[str, SubpathResult]) -> dict[str, dict[str, float]] | None:
         """Where the block output's error comes from, to first order.
 
-        Each sub-path adds, by its local error, an absolute error of ``local × ‖its reference
-        output‖`` (the residual: its block-output check × ‖the block output‖); the error
-        carried in is ``drift of the block input × ‖the block input‖``, which the residual
-        stream passes on. Errors that small add up to first order, so each source's share of
+        Each sub-path adds the absolute error of its local check, ‖c − r‖ = local × ‖its
+        reference output‖ (the residual: its block-output check); the error carried in is
+        the block input's, ‖c − r‖ of the free-running inputs, which the residual stream
+        passes on. Errors that small add up to first order, so each source's share of
         their sum says which hurts the next block most. Exact when one source differs and the
         block is linear in it (tests/test_ranking.py); an upper-bound split otherwise.
         """
@@ -227,12 +219,10 @@ class Localizer:
         x_ref, x_cand = r_block.hidden_input(), c_block.hidden_input()
         if x_ref is None or x_cand is None or x_ref.shape != x_cand.shape:
             return None
-        def added(check: Check | None, reference: torch.Tensor | None) -> float:
-            if check is None or check.metrics is None or reference is None:
-                return 0.0
-            return check.metrics.rel_l2 * float(reference.double().norm())
+        def added(found: Metrics | None) -> float:
+            return 0.0 if found is None else found.error_l2
 
-        errors = {"incoming": added(Check("", "", metrics(x_ref, x_cand, dtype=self.dtype), None), x_ref)}  # type: ignore[arg-type]
+        errors = {"incoming": added(metrics(x_ref, x_cand, dtype=self.experiments.dtype))}
         for r, _ in pair.sites():
             result = subpaths.get(r.subpath)
             if result is None:
@@ -240,10 +230,10 @@ class Localizer:
             by_key = {c.key: c for c in result.checks}
             # A module's own check; an MoE ffn's, its experts' (routing frozen at the reference's).
             check = by_key.get(f"module:{describe_key(r.key)}") or next((c for c in result.checks if c.what == EXPERTS), None)
-            errors[r.subpath] = errors.get(r.subpath, 0.0) + added(check, r.primary_output())
+            errors[r.subpath] = errors.get(r.subpath, 0.0) + added(check and check.metrics)
         residual = subpaths.get("residual")
         block_output = next((c for c in residual.checks if c.what == "block output"), None) if residual else None
-        errors["residual"] = added(block_output, r_block.primary_output())
+        errors["residual"] = added(block_output and block_output.metrics)
         whole = sum(errors.values())
         return {name: {"error": value, "share": value / whole if whole > 0 else 0.0} for name, value in errors.items()}
 
@@ -253,23 +243,25 @@ class Localizer:
 
     def _drift_only(self, pair: BlockPair) -> BlockResult:
         """Every site of the block judged on its drift (a router's under ``ffn``)."""
+        exp = self.experiments
         check_paired(pair.ref_routers, pair.cand_routers)
         cand = {**pair.cand, **pair.cand_routers}
         subpaths: dict[str, SubpathResult] = {}
         for key, r in in_order({**pair.ref, **pair.ref_routers}):
             name = "ffn" if r.subpath == "router" else r.subpath
             result = subpaths.setdefault(name, SubpathResult("drift_only", order=r.order))
-            found = self._drift_check(name, r, cand[key])
+            found = exp.drift_check(r, cand[key], exp.drift(r, cand[key]), target=name, what=OFFLINE_DRIFT)
             if found is not None:
                 result.checks.append(found)
         r_block, c_block = pair.ref_block, pair.cand_block
+        drift = exp.drift(r_block, c_block)
         return BlockResult(
             pair.index,
             c_block.module,
             "",
             subpaths,
-            self._drift_check("block", r_block, c_block),
-            self.experiments.drift(r_block, c_block),
+            exp.drift_check(r_block, c_block, drift, target="block", what=OFFLINE_DRIFT),
+            drift,
             order=r_block.order,
         )
 

@@ -44,7 +44,6 @@ from .view import (
     MoeRow,
     View,
     fmt,
-    headline,
     level,
 )
 from .vocab import SUBPATHS, UNATTRIBUTED
@@ -113,7 +112,7 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
     if first is None:
         console.print("[bold green]No divergence[/]: every local error is within tolerance.", highlight=False)
     else:
-        console.print(f"[bold red]First divergence[/]: {escape(headline(first))}", highlight=False)
+        console.print(f"[bold red]First divergence[/]: {escape(first.headline())}", highlight=False)
         if first.subpath == UNATTRIBUTED:
             position = view.column_of(first)
             unmapped = [] if position is None else view.columns[position].unmapped
@@ -144,7 +143,7 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
     if len(view.divergences) > 1:
         console.print(f"{len(view.divergences)} divergent sites:", highlight=False)
         for d in view.divergences:
-            console.print(f"  - {escape(headline(d))}", highlight=False)
+            console.print(f"  - {escape(d.headline())}", highlight=False)
     if first is not None and advice is not None:
         console.print(advice, style="dim", highlight=False)
 

@@ -45,7 +45,6 @@ __all__ = [
     "View",
     "drop_rate",
     "fmt",
-    "headline",
     "level",
     "ratio_colour",
     "sparkline",
@@ -73,11 +72,6 @@ MOE_COUNTS = (
     "included); flips: tokens whose top-k experts change when the candidate's router reads the "
     "reference's input (unexplained: margin beyond the precision's logit noise)"
 )
-
-
-def headline(divergence: Divergence) -> str:
-    """:meth:`Divergence.headline <.report.Divergence.headline>`, as every renderer states it."""
-    return divergence.headline()
 
 
 def drill_down(divergence: Divergence) -> str | None:

@@ -217,19 +217,18 @@ def test_table_rows_follow_execution_order_across_stacks():
 def test_moe_headline_names_the_part_in_words_and_the_json_keeps_it(moe_report):
     from dataclasses import replace
 
-    from blockdiff.view import MOE_COUNTS, headline
+    from blockdiff.view import MOE_COUNTS
     from blockdiff.vocab import EXPERTS, ROUTER_WEIGHTS
 
     first = moe_report.first_divergence
     assert first.check.what == ROUTER_WEIGHTS and first.check.part == "router"
-    assert headline(first) == first.headline()  # one wording, in every renderer and message
     assert first.headline().startswith("block 1 ffn (router weights, tokens whose top-k agree) (")
     experts = replace(first, check=replace(first.check, what=EXPERTS))
-    assert headline(experts).startswith("block 1 ffn (experts, routing frozen at the reference's) (")
+    assert experts.headline().startswith("block 1 ffn (experts, routing frozen at the reference's) (")
     console = plain(200)
     render(moe_report, console)
     text = output(console)
-    assert f"First divergence: {headline(first)}" in text and "[router:" not in text
+    assert f"First divergence: {first.headline()}" in text and "[router:" not in text
     # The table's two agreement columns are told apart, once, under it.
     words = " ".join(text.split())
     assert words.count(MOE_COUNTS) == 1 and words.index("top-k agree") < words.index(MOE_COUNTS)
