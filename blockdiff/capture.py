@@ -263,14 +263,13 @@ T = TypeVar("T")
 
 
 class Recording:
-    """One forward recorded into a store, and what it holds by reference.
+    """What one forward's record holds by reference.
 
     ``changed()`` says whether the model has since modified, in place, a tensor the store
     holds by reference: then the store no longer holds what the hooks saw.
     """
 
-    def __init__(self, store: SiteStore, snapshots: Snapshots) -> None:
-        self.store = store
+    def __init__(self, snapshots: Snapshots) -> None:
         self._snapshots = snapshots
 
     def changed(self) -> bool:
@@ -308,7 +307,7 @@ def record_once(
     with capture(model, layout, store, snapshot=snapshot, progress=progress), torch.no_grad():
         output = run_model(model, inputs)
     del output  # nothing outside holds the model's output: it cannot change the record
-    recording = Recording(store, snapshot)
+    recording = Recording(snapshot)
     if recording.changed():
         raise TensorChanged("a tensor recorded by reference was changed in place after its hook")
     return recording

@@ -569,7 +569,7 @@ def _localize(
     if rank:
         baseline = None
         if baseline_dtype is not None:
-            if not isinstance(ref, LiveSide):
+            if not ref.live:
                 raise InputError("a baseline precision (--baseline-dtype) needs a live reference, not a dump")
             with torch.inference_mode():
                 baseline = _run("reference", measure_floors, ref, ref.store, inputs, baseline_dtype, cand.device, drill_all=True)

@@ -91,6 +91,13 @@ class Side(Protocol):
         with recorded outputs. Returns the block's output and the hidden input that reached
         each module of ``modules`` (block-relative path → sub-path), by (sub-path, ordinal)."""
 
+    def child_calls(self, path: str, call: Site, hidden: Hidden | None = None) -> list[Site]:
+        """Module ``path`` run on ``call`` with ``hidden``, the calls of its innermost
+        children recorded (drill-down)."""
+
+    def record(self, inputs: Any, store: SiteStore, *, hold: str | None, progress: Callable[[int, int], None] | None = None) -> Any:
+        """Run the whole model once, recording every site into ``store``."""
+
     def attribute(self, path: str) -> Any:
         """An attribute of the model (``model.layers.0.mlp.capacity``); ``None`` when absent."""
 
@@ -446,6 +453,12 @@ class DumpSide:
 
     def run_block(self, path: str, call: Site, hidden: Hidden | None, modules: dict[str, str], frozen: Frozen | None) -> Any:
         raise self._cannot(f"run {path}")
+
+    def child_calls(self, path: str, call: Site, hidden: Hidden | None = None) -> list[Site]:
+        raise self._cannot(f"run {path}")
+
+    def record(self, inputs: Any, store: SiteStore, *, hold: str | None, progress: Any = None) -> Any:
+        raise self._cannot("run the model")
 
     def attribute(self, path: str) -> Any:
         return None

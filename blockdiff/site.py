@@ -23,7 +23,6 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from .errors import BlockdiffError
-from .vocab import MODULE_SUBPATHS, STAGES, SUBPATHS  # noqa: F401  (re-exported)
 
 
 # Argument names under which implementations pass the hidden state, tried in order when
