@@ -19,10 +19,11 @@ from typing import Any, Callable, Iterator, Literal, TypeVar
 import torch
 from torch import nn
 
+from .distributed import declared_whole, in_lockstep
 from .hookmap import Layout
 from .inputs import run_model
 from .errors import BlockdiffError
-from .site import Site, iter_tensors, map_structure, recorded_copy
+from .site import Site, hidden_location, iter_tensors, map_structure, primary_tensor, recorded_copy, replace_primary, with_hidden
 from .store import SiteStore
 
 
@@ -147,6 +148,9 @@ def capture(
             # Not a site (the map's `calls`): no record, no ordinal.
             open_sites.setdefault(path, []).append(None)
             return
+        args, kwargs = snapshot(args), snapshot(kwargs)
+        if options.shard_input is not None and in_lockstep():
+            args, kwargs = whole_input(args, kwargs, options.shard_input, options.activations)
         site = Site(
             stage=stage,
             block=block,
@@ -154,8 +158,8 @@ def capture(
             module=path,
             call=call,
             ordinal=ordinals.get(group, 0),
-            args=snapshot(args),
-            kwargs=snapshot(kwargs),
+            args=args,
+            kwargs=kwargs,
             order=order[0],
             activations=options.activations,
         )
@@ -168,6 +172,9 @@ def capture(
         if site is None:
             return
         site.output = snapshot(output)
+        dim = layout.options(site.module).shard_output
+        if dim is not None and in_lockstep():
+            site.output = replace_primary(site.output, declared_whole(primary_tensor(site.output), dim))
         snapshot.add(store, site)
         if progress is not None and site.stage == "block" and site.subpath is None:
             blocks_done[0] += 1
@@ -221,6 +228,16 @@ def capture(
             handle.remove()
         for module, original in patched:
             module._compiled_call_impl = original
+
+
+def whole_input(args: tuple, kwargs: dict, dim: int, names: tuple[str, ...] | None) -> tuple[tuple, dict]:
+    """A recorded call whose hidden state is a declared local shard, with the shard made
+    whole (:func:`~blockdiff.distributed.declared_whole`)."""
+    loc = hidden_location(args, kwargs, names)
+    if loc is None:
+        return args, kwargs
+    local = args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]]
+    return with_hidden(args, kwargs, {"primary": declared_whole(local, dim)}, names)
 
 
 def _is_compiling() -> bool:
@@ -316,6 +333,8 @@ def record_once(
 def with_copies(attempt: Callable[[bool], T]) -> T:
     """The one retry loop of the copy policy: ``attempt(False)`` holds the model's own
     tensors; should it raise :class:`TensorChanged`, ``attempt(True)`` runs on copies."""
+    if in_lockstep():  # ranks must not retry apart: copies from the start
+        return attempt(True)
     try:
         return attempt(False)
     except TensorChanged:

@@ -59,10 +59,28 @@ def _fail(message: str, exc: BaseException | None = None, *, hint: str | None = 
     user_code = isinstance(exc, (ModelSpecError, ModelRunError)) and isinstance(exc.__cause__, Exception)
     if user_code and not _state["debug"] and not isinstance(exc.__cause__, BlockdiffError):
         message += " (add --debug for the traceback)"
-    click.echo(f"Error: {message}", err=True)
+    if not _announced(message):
+        sys.exit(EXIT_ERROR)
+    click.echo(f"Error: {_ranked(message)}", err=True)
     if hint:
         click.echo(hint, err=True)
     sys.exit(EXIT_ERROR)
+
+
+def _ranked(message: str) -> str:
+    """``message`` naming this process's rank, in a launched run."""
+    watch = _state.get("watch")
+    return message if watch is None else f"rank {watch.rank}: {message}"
+
+
+def _announced(message: str) -> bool:
+    """In a launched run: tell every rank that this one failed (``message`` is then said
+    with the rank's number, by this rank alone). ``False`` when another rank failed first
+    and this one only followed it: it says nothing. ``True`` outside a launched run."""
+    watch = _state.get("watch")
+    if watch is None:
+        return True
+    return watch.failed(message) == f"rank {watch.rank}: {message}"
 
 
 def _said(message: str) -> None:
@@ -335,8 +353,11 @@ def _emit(
 ) -> None:
     """Write the JSON report and pictures (each said on stderr, but with ``quiet``), print
     the report (and the worst ``rank`` of its ranking), exit 1 on divergence."""
+    from . import distributed
     from .render import render, render_ranking
 
+    if distributed.rank() != 0:  # rank 0 speaks for every rank of a launched run
+        sys.exit(EXIT_DIVERGED if report.diverged else 0)
     if json_path:
         _write("JSON report", json_path, lambda: report.write_json(json_path), quiet=quiet)
     _pictures(report, plot_path=plot_path, html_path=html_path, quiet=quiet)
@@ -536,7 +557,9 @@ def _progress_bar():
     is a terminal; nothing otherwise (pipes, CI, tests)."""
     from .engine import PROGRESS
 
-    if not sys.stderr.isatty():
+    from . import distributed
+
+    if not sys.stderr.isatty() or distributed.rank() != 0:
         yield
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -570,8 +593,49 @@ def _stop_progress() -> None:
 
 
 def main(argv: list[str] | None = None) -> Any:
-    """Entry point of the console script."""
+    """Entry point of the console script (and of ``python -m blockdiff``)."""
     _state["debug"] = bool(os.environ.get("BLOCKDIFF_DEBUG"))  # --debug sets it per run
+    from . import distributed
+
+    if distributed.launched():
+        _one_rank(argv)
+    _main(argv)
+
+
+def _one_rank(argv: list[str] | None) -> None:
+    """One rank of a launched run (``torchrun --nproc-per-node N -m blockdiff ...``).
+
+    The default process group is initialised before any factory runs. Rank 0 prints the
+    report and writes the files; the other ranks print nothing unless they fail. A rank
+    that fails says so in one line naming it (``Error: rank 1: ...``) and every rank
+    exits 2 (:class:`~blockdiff.distributed.FailureWatch`); otherwise every rank exits with
+    the same code, the verdict being the same on every rank."""
+    from . import distributed
+
+    try:
+        distributed.init_from_env()
+    except Exception as exc:
+        _fail(f"cannot join the launched run ({type(exc).__name__}: {exc})", exc)
+    watch = _state["watch"] = distributed.FailureWatch(code=EXIT_ERROR)
+    stdout = sys.stdout
+    if watch.rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    code: Any = 0
+    try:
+        _main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        if sys.stdout is not stdout:
+            sys.stdout.close()
+            sys.stdout = stdout
+    watch.stop()
+    if code in (0, EXIT_DIVERGED, None):
+        distributed.finish()
+    sys.exit(code)
+
+
+def _main(argv: list[str] | None) -> Any:
     try:
         with _progress_bar():
             return cli.main(args=argv, prog_name="blockdiff", standalone_mode=False)
@@ -611,11 +675,12 @@ def _internal_error(exc: BaseException) -> None:
         saved = f"; the traceback is in {out.name}"
     except OSError:
         pass
-    click.echo(
+    message = (
         f"Internal error: {type(exc).__name__}: {exc} (a bug in blockdiff, not in your models{saved}; "
-        "please report it, or re-run with --debug)",
-        err=True,
+        "please report it, or re-run with --debug)"
     )
+    if _announced(message):
+        click.echo(_ranked(message), err=True)
     sys.exit(EXIT_INTERNAL)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -22,6 +22,11 @@ ALLCLOSE = {
     torch.float16: (1e-2, 1e-3),
     torch.bfloat16: (2e-2, 1e-2),
 }
+
+
+# Within a sharded run (blockdiff.distributed.lockstep): the metrics every rank reports
+# for a comparison, its own or the worst rank's.
+ACROSS_RANKS: list[Callable[["Metrics"], "Metrics"]] = []
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ def metrics(reference: torch.Tensor, candidate: torch.Tensor, *, dtype: torch.dt
     found = _metrics(reference, candidate, dtype, work)
     if found is None:  # a float32 sum of squares overflowed: values beyond ~1e19
         found = _metrics(reference, candidate, dtype, torch.float64)
-    return found
+    return ACROSS_RANKS[-1](found) if ACROSS_RANKS else found
 
 
 def _fits_float32(t: torch.Tensor) -> bool:

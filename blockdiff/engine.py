@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 from torch import nn
 
+from . import distributed
 from ._version import __version__
 from .autodetect import configured_vocab_size
 from .capture import TensorChanged, with_copies
@@ -50,13 +51,13 @@ from .inputs import (
 from .loading import is_dump
 from .localize import Localizer, NonfiniteScan
 from .pairing import check_block_counts
-from .report import Report
+from .report import Check, Report, SubpathResult
 from .site import describe_key
-from .sides import DumpSide, LiveSide, Side, compiled_code_limits, versions
+from .sides import DumpSide, LiveSide, ShardedSide, Side, compiled_code_limits, versions
 from .store import MemoryStore, release_freed_memory
 from .experiments import StoredFloors
-from .tolerance import Tolerance, working_dtype
-from .vocab import DRIFT
+from .tolerance import Threshold, Tolerance, working_dtype
+from .vocab import DRIFT, REPLICAS
 
 
 @contextmanager
@@ -156,10 +157,18 @@ def run(
         InputError: a pairing of sides that has no mode (a candidate dump against a live
             reference, a reference dump alone), or inputs that do not fit.
 
+    Inside an initialised process group of several ranks (``torchrun``), every rank calls
+    it with the same arguments: the candidate may be split across the ranks
+    (:mod:`blockdiff.distributed`), and every rank gets the same report.
+
     >>> run("ref.h5", bugs.gelu_for_silu).first_divergence.subpath   # doctest: +SKIP
     'ffn'
     """
-    options = options or Options()
+    with distributed.lockstep():
+        return _run_mode(reference, candidate, inputs, options or Options())
+
+
+def _run_mode(reference: SideSpec, candidate: SideSpec | None, inputs: Any, options: Options) -> Report:
     ref_dump = _dump_path(reference)
     if candidate is None:
         if ref_dump is not None:
@@ -252,7 +261,10 @@ def inputs_for(
 
 
 def _live_side(name: str, model: nn.Module, hooks: HookMap | None, inputs: Inputs, label: str | None) -> LiveSide:
-    side = LiveSide(name, model, resolve(model, hooks), label=label)
+    # In a sharded run the reference is one device's model on every rank; what is
+    # captured or judged may be split across them.
+    kind = ShardedSide if distributed.in_lockstep() and name != "reference" else LiveSide
+    side = kind(name, model, resolve(model, hooks), label=label)
     if isinstance(inputs, torch.Tensor):
         check_vocab(inputs, vocab_size(model, side.layout), side=name if name != "captured" else "model")
     return side
@@ -325,7 +337,7 @@ def diff(
         stack.enter_context(compiled_code_limits(reference, candidate))
         if save_dumps is None and not stream:
             return _in_memory([ref, cand], inputs, localize)
-        if save_dumps is not None:
+        if save_dumps is not None and distributed.rank() == 0:
             folder = Path(save_dumps)
         else:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="blockdiff-")))
@@ -468,7 +480,7 @@ def capture(
     """
     check_inputs(inputs)
     side = _live_side("captured", model, hooks, inputs, label)
-    with eval_mode(model), compiled_code_limits(model):
+    with eval_mode(model), compiled_code_limits(model), _rank_zero_writes(out) as out:
         if not floors:
             _stream(side, inputs, out, compress=compress)
             return
@@ -487,6 +499,17 @@ def capture(
             for site in store.sites():
                 writer.add(site)
             writer.add_floors(measured)
+
+
+@contextmanager
+def _rank_zero_writes(out: str | Path) -> Iterator[str | Path]:
+    """Where a capture writes: ``out``, but on the ranks other than 0 of a sharded run,
+    which record the same whole tensors in lockstep, a scratch file thrown away after."""
+    if distributed.rank() == 0:
+        yield out
+        return
+    with tempfile.TemporaryDirectory(prefix="blockdiff-rank-") as scratch:
+        yield Path(scratch) / Path(out).name
 
 
 def _recorded(side: LiveSide, inputs: Inputs, *, hold: str | None) -> MemoryStore:
@@ -566,6 +589,8 @@ def _localize(
     )
     _nonfinite_notes(report, localizer.nonfinite)
     report.notes.extend(localizer.notes)
+    if isinstance(cand, ShardedSide):
+        _replica_check(report, cand, localizer.experiments.dtype)
     if rank:
         baseline = None
         if baseline_dtype is not None:
@@ -604,6 +629,37 @@ def _localize(
         )
         report.tolerance["policy"] = "fixed"
     return report
+
+
+def _replica_check(report: Report, side: Side, dtype: torch.dtype) -> None:
+    """The first site whose replicas differ across ranks, judged as a divergence there (the
+    same bits are expected: the same code on the same inputs), with a note naming the ranks."""
+    store = side.store
+    sites = [*store.outside_sites(), *(s for i in store.block_indices() for s in store.block_sites(i))]
+    found = distributed.replica_disagreement(sites, dtype=dtype)
+    if found is None:
+        return
+    site, ranks, measured = found
+    names = ", ".join(str(r) for r in ranks)
+    message = f"replicas disagree: rank{'s' if len(ranks) > 1 else ''} {names} differ{'' if len(ranks) > 1 else 's'} from rank 0 (rel_l2 {measured.rel_l2:.3g})"
+    check = Check(REPLICAS, site.module, measured, Threshold(0.0, "fixed"), details={"ranks": ranks, "message": message}, order=site.order)
+    where = describe_key(site.key)
+    if site.block is None:
+        stage = next(s for s in report.stages if s.stage == site.stage)
+        if stage.local is None or not stage.local.diverged:
+            stage.local = check
+    else:
+        block = next(b for b in report.blocks if site.module == b.module or site.module.startswith(b.module + "."))
+        subpath = {None: "residual", "router": "ffn"}.get(site.subpath, site.subpath)
+        result = block.subpaths.setdefault(subpath, SubpathResult("checked", order=site.order))
+        result.checks.insert(0, check)
+        if result.status != "checked":
+            result.status = "checked"
+    report.notes.insert(
+        0,
+        f"{where} ({site.module}): {message}; every rank holds this tensor whole and should compute the same "
+        "bits: blamed where the replicas first differ (later collectives mix the difference into every rank)",
+    )
 
 
 def _dump_meta(side: LiveSide, inputs: Inputs) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from .compare import Metrics, metrics
+from .distributed import everywhere, world
 from .dtypes import precision_label
 from .errors import PairingError, ShapeMismatchError
 from .hookmap import BlockLayout
@@ -152,7 +153,7 @@ class Experiments:
             raise PairingError(f"{r.label}: the reference recorded no output tensor")
         hidden = r.hidden_inputs()
         out = c.primary_output()
-        if out is None or not same_bits(hidden, c.hidden_inputs()):
+        if out is None or not everywhere(same_bits(hidden, c.hidden_inputs())):
             out = self.module_output(self.cand, c.module, c, hidden)
         expected, out = self.comparable(r, c, ref_out, out)
         key = f"module:{describe_key(r.key)}"
@@ -204,7 +205,7 @@ class Experiments:
         frozen_c: Frozen = dict(pair.routing())  # (reference site, candidate site): the candidate's run
         if frozen:
             frozen_c.update({(s.subpath, s.ordinal): (s, pair.cand[key]) for key, s in pair.ref.items()})
-        if not frozen_c and c_block.primary_output() is not None and same_bits(ref_in, c_block.hidden_inputs()):
+        if not frozen_c and c_block.primary_output() is not None and everywhere(same_bits(ref_in, c_block.hidden_inputs())):
             out, reached = c_block.primary_output(), {}  # the candidate's own call was this call
         else:
             out, reached = self.cand.run_block(c_block.module, c_block, ref_in, relative(pair.cand_layout), frozen_c)
@@ -312,8 +313,17 @@ def _squeeze_leading(shape: torch.Size) -> tuple[int, ...]:
 
 def check_shapes(label: str, what: str, ref: torch.Tensor, cand: torch.Tensor) -> None:
     if tuple(ref.shape) != tuple(cand.shape):
+        hint = ""
+        ranks = world()
+        if ranks > 1 and ref.dim() == cand.dim():
+            split = [d - ref.dim() for d in range(ref.dim()) if cand.shape[d] * ranks == ref.shape[d]]
+            if split and all(ref.shape[d] == cand.shape[d] for d in range(ref.dim()) if d - ref.dim() not in split):
+                hint = (
+                    f" (a plain local shard of {ranks} ranks along dimension {split[0]}? declare it in the candidate's "
+                    f"hook map: shard_input or shard_output = {split[0]}, docs/hook-maps.md)"
+                )
         raise ShapeMismatchError(
-            f"{label} {what}: candidate has shape {list(cand.shape)}, reference {list(ref.shape)}",
+            f"{label} {what}: candidate has shape {list(cand.shape)}, reference {list(ref.shape)}{hint}",
             site=label,
             reference=tuple(ref.shape),
             candidate=tuple(cand.shape),

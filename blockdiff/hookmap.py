@@ -61,11 +61,18 @@ class ModuleOptions:
             ``ln1`` three times per block (for q, k and v), Hugging Face GPT-2 ``ln_1`` once.
         broadcast: the output is compared with the other side's after broadcasting
             (``[B, T, D]`` against ``[1, T, D]``) instead of refused as a shape mismatch.
+        shard_output, shard_input: in a sharded run, the module returns (takes as its
+            hidden state) a plain local shard split along this dimension across the ranks,
+            in rank order: a hand-written tensor-parallel layer. Recorded whole (gathered),
+            and a replay hands the module this rank's part of the reference's tensor.
+            (``DTensor`` modules need no declaration.)
     """
 
     activations: tuple[str, ...] | None = None
     calls: str | int = EACH_CALL
     broadcast: bool = False
+    shard_output: int | None = None
+    shard_input: int | None = None
 
     def selects(self, call: int) -> bool:
         """Whether call number ``call`` (0-based) of the module is a site."""
@@ -75,11 +82,17 @@ class ModuleOptions:
 
     def to_dict(self) -> dict[str, Any]:
         activations = None if self.activations is None else list(self.activations)
-        return {"activations": activations, "calls": self.calls, "broadcast": self.broadcast}
+        return {
+            "activations": activations,
+            "calls": self.calls,
+            "broadcast": self.broadcast,
+            "shard_output": self.shard_output,
+            "shard_input": self.shard_input,
+        }
 
 
 DEFAULT_OPTIONS = ModuleOptions()
-MODULE_KEYS = ("activations", "calls", "broadcast")
+MODULE_KEYS = ("activations", "calls", "broadcast", "shard_output", "shard_input")
 MAP_KEYS = ("name", "description", "match", "prefix", "optional", "outside", "blocks", "modules")
 
 
@@ -269,10 +282,15 @@ def _parse_modules(raw: Any, source: str, outside: dict, subpaths: dict, strings
         broadcast = options.get("broadcast", False)
         if not isinstance(broadcast, bool):
             raise HookMapError(f"hook map {source}: {where} broadcast must be true or false, found {broadcast!r}", source=source)
+        shards = {key: options.get(key) for key in ("shard_output", "shard_input")}
+        for key, dim in shards.items():
+            if dim is not None and type(dim) is not int:
+                raise HookMapError(f"hook map {source}: {where} {key} must be a dimension (-1, 2, ...), found {dim!r}", source=source)
         found[path] = ModuleOptions(
             activations=None if "activations" not in options else strings(options["activations"], f"{where} activations"),
             calls=calls,
             broadcast=broadcast,
+            **shards,
         )
     return found
 
@@ -504,6 +522,8 @@ def layout_from_dict(data: dict[str, Any]) -> Layout:
                 activations=None if o.get("activations") is None else tuple(str(a) for a in o["activations"]),
                 calls=o.get("calls", EACH_CALL),
                 broadcast=bool(o.get("broadcast", False)),
+                shard_output=o.get("shard_output"),
+                shard_input=o.get("shard_input"),
             )
             for path, o in data.get("modules", {}).items()
         }

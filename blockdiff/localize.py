@@ -21,7 +21,7 @@ import torch
 
 from .experiments import Experiments, StoredFloors
 from .moe import moe_checks, moe_statistics, routing_shapes_differ
-from .pairing import BlockPair, check_block_counts, check_paired, in_order, outside_position, pair_block, pair_outside
+from .pairing import BlockPair, check_block_counts, check_paired, in_order, output_position, pair_block, pair_outside
 from .report import BlockResult, Check, StageResult, SubpathResult
 from .sides import Side
 from .compare import Metrics, metrics
@@ -294,12 +294,7 @@ class NonfiniteScan:
         if not bad_r and bad_c == bad_r:
             return
         where = {"site": describe_key(c.key), "module": c.module, "nonfinite_cand": bad_c, "nonfinite_ref": bad_r}
-        # Outputs are produced embed and context first, then per block its modules before
-        # the block itself, then the final norm and the head.
-        if r.block is not None:
-            position: tuple = (1, r.block, r.subpath is None, r.order)
-        else:
-            position = (outside_position(r), 0, False, r.order)
+        position = output_position(r)
         if bad_r:
             self._keep("reference", position, {**where, "module": r.module})
         if bad_c != bad_r:

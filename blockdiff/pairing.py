@@ -177,12 +177,22 @@ def outside_position(site: Site) -> int:
     return 0 if site.stage in BEFORE_BLOCKS else 2
 
 
+def output_position(site: Site) -> tuple:
+    """Where ``site``'s output was produced in its run, as a sort key: the stages before
+    the blocks, then per block its modules before the block itself (whose output comes
+    last), then the stages after."""
+    if site.block is not None:
+        return (1, site.block, site.subpath is None, site.order)
+    return (outside_position(site), 0, False, site.order)
+
+
 __all__ = [
     "BlockPair",
     "check_block_counts",
     "check_paired",
     "in_order",
     "layout_block",
+    "output_position",
     "outside_position",
     "pair_block",
     "pair_outside",

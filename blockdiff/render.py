@@ -100,7 +100,8 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
     ref, cand = view.report.reference, view.report.candidate
     def side(meta: dict) -> str:
         quantized = f"; {meta['quantization']}" if meta.get("quantization") else ""
-        return f"{escape(str(meta['model']))} ({meta['device']}, {meta['dtype']}{escape(quantized)})"
+        ranks = f", {meta['ranks']} ranks" if meta.get("ranks") else ""
+        return f"{escape(str(meta['model']))} ({meta['device']}{ranks}, {meta['dtype']}{escape(quantized)})"
 
     console.print(
         f"[bold]blockdiff[/] reference {side(ref)} vs candidate {side(cand)}; tolerance {view.tolerance}",

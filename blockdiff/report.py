@@ -18,7 +18,7 @@ from typing import Any
 from .compare import Metrics, from_json_number, json_number
 from .errors import BlockdiffError
 from .tolerance import Threshold
-from .vocab import DRIFT, BEFORE_BLOCKS, PART_OF, SUBPATHS, UNATTRIBUTED
+from .vocab import DRIFT, BEFORE_BLOCKS, PART_OF, REPLICAS, SUBPATHS, UNATTRIBUTED
 
 SCHEMA = "blockdiff.report/1"
 
@@ -340,7 +340,7 @@ class Divergence:
         module = self.module
         if self.subpath == "residual" and self.check.what.startswith("input of"):
             module = f"input of {module}"  # as the JSON's "what" and the HTML say it
-        if self.check.metric == "routing_differs" and self.check.details:
+        if (self.check.metric == "routing_differs" or self.check.what == REPLICAS) and self.check.details:
             return f"{where} ({module}): {self.check.details.get('message', 'routing differs')}"
         nonfinite_ref, nonfinite_cand = self.check.nonfinite
         if nonfinite_cand != nonfinite_ref:

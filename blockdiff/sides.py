@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 from torch import nn
 
+from . import distributed
 from .capture import Recording, record_once
 from .dtypes import dtype_name, stored_dtype
 from .errors import PairingError
@@ -135,6 +136,8 @@ def quantization(model: nn.Module) -> str | None:
             seen[kind] = seen.get(kind, 0) + 1
             continue
         for param in module.parameters(recurse=False):
+            if distributed.is_distributed(param):
+                continue  # sharded, not quantized: ShardedSide says how many ranks
             if type(param) not in (torch.Tensor, nn.Parameter):
                 kind = f"{type(param).__name__} weights"
             elif param.dtype.itemsize == 1:
@@ -241,7 +244,7 @@ class LiveSide:
         if hidden:
             own = call.hidden_inputs()
             hidden = {
-                role: replayed_copy(t, device, self.cast or (own[role].dtype if role in own else None))
+                role: replayed_copy(t, device, self.cast or (own[role].dtype if role in own else None), layout=own.get(role))
                 for role, t in hidden.items()
             }
             args, kwargs = with_hidden(args, kwargs, hidden, call.activations)
@@ -333,7 +336,10 @@ class LiveSide:
                 loc = hidden_location(args, kwargs, options.activations)
                 if loc is not None:
                     tensor = args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]]
-                    reached[(subpath, ordinal)] = recorded_copy(tensor)
+                    if options.shard_input is not None and distributed.in_lockstep():
+                        reached[(subpath, ordinal)] = distributed.declared_whole(tensor, options.shard_input)
+                    else:
+                        reached[(subpath, ordinal)] = recorded_copy(tensor)
                 return None
 
             return hook
@@ -347,8 +353,9 @@ class LiveSide:
                 own = for_replay(template.output, device=device, dtype=cast)
                 if key[0] == "router":
                     return _replace_all(own, recorded.output, device)
-                like = primary_tensor(own)
-                return replace_primary(own, replayed_copy(recorded.primary_output(), device, like.dtype if like is not None else None))
+                like = primary_tensor(template.output)
+                dtype = cast or (like.dtype if like is not None else None)
+                return replace_primary(own, replayed_copy(recorded.primary_output(), device, dtype, layout=like))
 
             return forward
 
@@ -412,6 +419,32 @@ class PrecisionSide(LiveSide):
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
         return PrecisionSide(self, dtype, device)
+
+
+class ShardedSide(LiveSide):
+    """A live model split across the ranks of a launched run (tensor or expert parallel,
+    ``DTensor`` modules or hand-sharded ones), run in lockstep on every rank
+    (:mod:`blockdiff.distributed`). Its records hold whole tensors; each module it runs
+    for an experiment gets the reference's activations in the layout that module was
+    recorded with, and its output is made whole again: a ``DTensor`` gathered, a
+    collective's result awaited, a column-parallel module's local shard all-gathered."""
+
+    def __init__(self, name: str, model: nn.Module, layout: Layout, *, label: str | None = None) -> None:
+        super().__init__(name, model, layout, label=label)
+        self.meta["ranks"] = distributed.world()
+
+    def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
+        module = self.module(path)
+        out = super().call_module(path, call, hidden)
+        dim = self.layout.options(path).shard_output
+        dim = distributed.output_shard_dim(module) if dim is None else dim
+
+        def made_whole(t: torch.Tensor) -> torch.Tensor:
+            if distributed.is_distributed(t):
+                return distributed.whole(t)
+            return t if dim is None else distributed.gathered(t, dim)
+
+        return map_structure(out, made_whole)
 
 
 class DumpSide:
@@ -536,4 +569,4 @@ def _replace_all(output: Any, recorded: Any, device: torch.device) -> Any:
     return for_replay(map_structure(recorded, cast), device=device)
 
 
-__all__ = ["Side", "LiveSide", "PrecisionSide", "DumpSide", "Hidden", "Frozen", "SiteKey", "describe"]
+__all__ = ["Side", "LiveSide", "PrecisionSide", "ShardedSide", "DumpSide", "Hidden", "Frozen", "SiteKey", "describe"]

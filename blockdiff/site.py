@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
+from .distributed import in_layout, is_distributed, whole
 from .errors import BlockdiffError
 
 
@@ -188,21 +189,29 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def recorded_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` for the record: detached and copied to the CPU."""
+    """``t`` for the record: detached and copied to the CPU; a ``DTensor`` or an
+    ``AsyncCollectiveTensor`` as its full logical tensor (:func:`~blockdiff.distributed.whole`)."""
+    if is_distributed(t):
+        return whole(t.detach()).to("cpu")
     t = t.detach()
     return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
 
 
-def replayed_copy(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+def replayed_copy(
+    t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None, *, layout: torch.Tensor | None = None
+) -> torch.Tensor:
     """A recorded tensor for a module call: a copy on ``device``, cast to ``dtype`` when
-    both are floating point.
+    both are floating point; in the sharded layout ``layout`` (or ``t`` itself) was
+    recorded from, when it was recorded from a ``DTensor`` (:func:`~blockdiff.distributed.in_layout`).
 
     Always a copy: models change tensors they are handed in place (HF Falcon adds the
     attention output into the MLP output), which must never reach a recorded site.
     """
     if dtype is not None and t.is_floating_point() and dtype.is_floating_point:
-        return t.to(device=device, dtype=dtype, copy=True)
-    return t.to(device=device, copy=True)
+        copy = t.to(device=device, dtype=dtype, copy=True)
+    else:
+        copy = t.to(device=device, copy=True)
+    return in_layout(copy, t if layout is None else layout)
 
 
 def snapshot(obj: Any) -> Any:

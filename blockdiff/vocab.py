@@ -46,6 +46,8 @@ EXPERTS = "experts (routing frozen at the reference's)"
 # The candidate routes differently: another number of experts or of experts per token.
 ROUTING_DIFFERS = "routing differs"
 OFFLINE_DRIFT = "drift (offline)"
+# The check of a sharded run's replicated tensors: the same bits on every rank.
+REPLICAS = "replicas"
 # The free-running candidate judged against its tolerance at a site: the "drift" target,
 # calibrated against the reference's own free run at the candidate's precision. Its
 # divergence, when no local check explains it, is blamed on the sub-path "drift".

@@ -1,0 +1,352 @@
+"""Sharded runs: a candidate split across ranks, judged against a single-device reference.
+
+Launched with ``torchrun`` (docs/design.md, "Sharded candidates"): every rank runs
+blockdiff, every factory is called on every rank, and every experiment runs on every rank
+in the same order (*lockstep*), because a sharded module's forward holds collectives that
+all ranks must enter. What keeps the ranks in lockstep:
+
+- **Tensors are recorded whole.** A ``DTensor`` is recorded as its full logical tensor
+  (``full_tensor()``: gathered on every rank, once per recorded tensor, so each rank holds
+  one full copy of each site); an ``AsyncCollectiveTensor`` (a collective's result) once
+  the collective finished; a plain local shard by the layout its hook map declares
+  (``shard_output``). Each record remembers the layout its tensor had, so that a replay
+  hands a sharded module the reference's tensor in that layout (:func:`in_layout`).
+- **Verdicts agree.** Every comparison's metrics are the worst over ranks
+  (:func:`worst`), and every "is this the same call again?" shortcut must hold on every
+  rank (:func:`everywhere`): whatever one rank decides to run, all run.
+- **Replicas are compared.** A tensor every rank holds whole (a norm's output under tensor
+  parallelism, an all-reduced sum) must be the same bits on every rank: the first site
+  where replicas differ is a divergence naming the ranks (:func:`replica_disagreement`),
+  since every later all-reduce mixes the bad replica into all ranks.
+
+Rank 0 reports; a rank that fails makes every rank stop (:class:`FailureWatch`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+
+from .compare import Metrics, metrics
+
+# Seconds a collective may wait for the other ranks before it fails (a rank stuck in a
+# model's own code); a rank that raises stops every rank sooner (FailureWatch).
+TIMEOUT_ENV = "BLOCKDIFF_TIMEOUT"
+DEFAULT_TIMEOUT = 600
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# The attribute a recorded tensor's layout is kept under: (device mesh, placements).
+LAYOUT_ATTR = "_blockdiff_layout"
+
+_lockstep = {"on": False}
+
+
+def launched() -> bool:
+    """Whether this process is one rank of a launch (``torchrun`` sets these variables)."""
+    return all(name in os.environ for name in _LAUNCH_ENV) and int(os.environ["WORLD_SIZE"]) > 1
+
+
+def active() -> bool:
+    """Whether a process group of more than one rank is initialised."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank (0 outside a sharded run)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if active() else 0
+
+
+def world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if active() else 1
+
+
+def timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT)))
+
+
+def init_from_env() -> bool:
+    """Initialise the default process group from a launcher's environment, before any
+    factory runs: gloo for CPU tensors, NCCL for CUDA ones when CUDA is present (each rank
+    on the GPU of its ``LOCAL_RANK``). ``False`` when not launched, or already initialised
+    by the caller."""
+    if not launched():
+        return False
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, timeout=timeout())
+    return True
+
+
+@contextmanager
+def lockstep() -> Iterator[bool]:
+    """Within: comparisons and shortcuts agree across ranks (a no-op on one process).
+    Yields whether the run is sharded."""
+    from . import compare
+
+    before = _lockstep["on"]
+    _lockstep["on"] = active()
+    if _lockstep["on"]:
+        compare.ACROSS_RANKS.append(worst)
+    try:
+        yield _lockstep["on"]
+    finally:
+        if _lockstep["on"]:
+            compare.ACROSS_RANKS.pop()
+        _lockstep["on"] = before
+
+
+def in_lockstep() -> bool:
+    return _lockstep["on"]
+
+
+def worst(found: Metrics) -> Metrics:
+    """The metrics of the rank whose comparison is worst (largest relative L2, NaN worst of
+    all): every rank gets the same verdict, so every rank runs the same experiments next."""
+    if not _lockstep["on"]:
+        return found
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, found)
+    return max(every, key=lambda m: (m.rel_l2 != m.rel_l2, m.rel_l2))  # NaN first
+
+
+def everywhere(flag: bool) -> bool:
+    """``flag`` on every rank (a logical and over ranks)."""
+    if not _lockstep["on"]:
+        return flag
+    import torch.distributed as dist
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+# -- recorded whole -----------------------------------------------------------------------
+
+
+def is_distributed(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` or an ``AsyncCollectiveTensor``."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, (DTensor, AsyncCollectiveTensor))
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The full logical tensor of a ``DTensor`` (gathered: a collective every rank enters),
+    an ``AsyncCollectiveTensor`` once its collective finished; a new plain tensor, with the
+    layout it had under :data:`LAYOUT_ATTR` (a DTensor's mesh and placements)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, AsyncCollectiveTensor):
+        return t.wait().clone()
+    assert isinstance(t, DTensor)
+    full = t.full_tensor().clone()
+    setattr(full, LAYOUT_ATTR, (t.device_mesh, tuple(t.placements)))
+    return full
+
+
+def gathered(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A plain local shard made whole: the shards of every rank concatenated along ``dim``."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def declared_whole(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A plain local shard a hook map declares (``shard_output``/``shard_input``), made
+    whole: gathered along ``dim``, remembering that layout."""
+    full = gathered(t.detach(), dim)
+    setattr(full, LAYOUT_ATTR, (None, dim))
+    return full
+
+
+def in_layout(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
+    """``t`` (a whole tensor) in the layout ``like`` was recorded from: this rank's part of
+    it as a ``DTensor`` of the same mesh and placements, or as a plain local shard along
+    the dimension a hook map declared (no communication: every rank holds ``t`` whole);
+    ``t`` itself when ``like`` was recorded whole."""
+    layout = getattr(like, LAYOUT_ATTR, None) if like is not None else None
+    if layout is None:
+        return t
+    mesh, placements = layout
+    if mesh is None:  # a declared plain shard: this rank's part along that dimension
+        return t.chunk(world(), dim=placements)[rank()].contiguous()
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = t
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            local = local.chunk(mesh.size(mesh_dim), dim=placement.dim)[mesh.get_local_rank(mesh_dim)]
+        elif not placement.is_replicate():  # Partial: any split that sums to t will do
+            local = local if mesh.get_local_rank(mesh_dim) == 0 else torch.zeros_like(local)
+    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False)
+
+
+def output_shard_dim(module: torch.nn.Module) -> int | None:
+    """The dimension along which ``module`` returns a plain local shard, as its
+    parallelization shows it: a column-parallel ``Linear`` (weight ``Shard(0)``) or
+    ``Embedding`` (weight ``Shard(1)``) returning local tensors gives its last dimension
+    sharded. ``None`` otherwise (a row-parallel module's output is all-reduced whole)."""
+    weight = getattr(module, "weight", None)
+    if weight is None or "torch.distributed" not in sys.modules:
+        return None
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(weight, DTensor) or len(weight.placements) != 1:
+        return None
+    placement = weight.placements[0]
+    if not isinstance(placement, Shard):
+        return None
+    if isinstance(module, torch.nn.Linear) and placement.dim == 0:
+        return -1
+    if isinstance(module, torch.nn.Embedding) and placement.dim == 1:
+        return -1
+    return None
+
+
+# -- replicas -----------------------------------------------------------------------------
+
+
+def _digest(t: torch.Tensor | None) -> str:
+    if t is None:
+        return ""
+    data = t.detach().contiguous().cpu()
+    return hashlib.blake2b(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"", digest_size=16).hexdigest()
+
+
+def replica_disagreement(sites: list[Any], *, dtype: torch.dtype | None = None) -> tuple[Any, list[int], Metrics] | None:
+    """The first of ``sites`` (in the order they ran) whose output is not the same bits on
+    every rank: (site, the ranks that differ from rank 0, the worst of their metrics
+    against rank 0's). ``None`` when every replica agrees. Collective: every rank passes
+    the same sites (its own record of them)."""
+    import torch.distributed as dist
+
+    from .pairing import output_position
+
+    ordered = sorted(sites, key=output_position)
+    mine = [_digest(s.primary_output()) for s in ordered]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for index, site in enumerate(ordered):
+        digests = [found[index] for found in every]
+        if len(set(digests)) == 1:
+            continue
+        ranks = [r for r, d in enumerate(digests) if d != digests[0]]
+        out = site.primary_output()
+        parts = [torch.empty_like(out) for _ in every]
+        dist.all_gather(parts, out.contiguous())
+        worst_found = max((metrics(parts[0], parts[r], dtype=dtype) for r in ranks), key=lambda m: m.rel_l2)
+        return site, ranks, worst_found
+    return None
+
+
+# -- stopping together --------------------------------------------------------------------
+
+
+class FailureWatch:
+    """Every rank stops when one fails, within a bounded time.
+
+    A rank that raises announces it (:meth:`failed`: one key in a store every rank can
+    reach, the first announcement wins) and says why; every other rank's watcher thread
+    sees the key within ``poll`` seconds and ends its process with ``code``, silently,
+    though it may be waiting in a collective the failed rank will never enter.
+    """
+
+    KEY = "blockdiff/failed"
+
+    def __init__(self, *, code: int, poll: float = 0.2) -> None:
+        import torch.distributed as dist
+
+        self.rank = dist.get_rank()
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        # A client of its own: the process group's store is not shared across threads.
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timeout(), wait_for_workers=False)
+        self._watch_store = dist.TCPStore(host, port, is_master=False, timeout=timeout(), wait_for_workers=False)
+        self._code = code
+        self._poll = poll
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="blockdiff-failure-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self._poll):
+            try:
+                if not self._watch_store.check([self.KEY]):
+                    continue
+                message = self._watch_store.get(self.KEY).decode()
+            except Exception:  # the store went away: the run is over
+                return
+            if not message.startswith(f"rank {self.rank}:"):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(self._code)
+
+    def failed(self, message: str) -> str:
+        """Announce this rank's failure; returns the failure every rank reports (an earlier
+        rank's, when another rank failed first and this one only followed)."""
+        mine = f"rank {self.rank}: {message}"
+        try:
+            return self._store.compare_set(self.KEY, "", mine).decode()
+        except Exception:
+            return mine
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def finish() -> None:
+    """The end of a launched run that did not fail: wait for every rank, then leave the
+    process group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+__all__ = [
+    "launched",
+    "active",
+    "rank",
+    "world",
+    "init_from_env",
+    "lockstep",
+    "worst",
+    "everywhere",
+    "whole",
+    "gathered",
+    "in_layout",
+    "declared_whole",
+    "output_shard_dim",
+    "replica_disagreement",
+    "FailureWatch",
+    "finish",
+]

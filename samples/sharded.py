@@ -1,0 +1,256 @@
+"""Sharded candidates: the sample model and a Hugging Face Llama split across ranks with
+torch's own tensor-parallel API, an expert-parallel MoE, and planted distributed bugs.
+
+Every factory runs on every rank, inside the process group blockdiff initialised from the
+launcher's environment; each builds the clean single-device model (same seed, same
+weights) and splits it over a one-dimensional device mesh of all ranks:
+
+    torchrun --nproc-per-node 2 -m blockdiff diff samples/hf_llama.py:build samples/sharded.py:llama_tp
+    torchrun --nproc-per-node 2 -m blockdiff diff samples/tinylm.py:build samples/sharded.py:tinylm_tp --cand-dtype bfloat16
+    torchrun --nproc-per-node 2 -m blockdiff diff samples/sharded.py:tinylm_moe samples/sharded.py:expert_offset
+
+:data:`BUGS` lists each planted bug with its reference and the (block, sub-path) blockdiff
+must blame (block ``DEFAULT_BLOCK``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+try:  # imported as samples.sharded (tests) or loaded from its file path (CLI)
+    from . import hf_llama, tinylm
+except ImportError:  # pragma: no cover
+    import hf_llama
+    import tinylm
+
+DEFAULT_BLOCK = 1
+
+
+def mesh():
+    """A one-dimensional device mesh of every rank (CUDA when the model runs there)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("a sharded sample needs a process group: run it under torchrun")
+    return init_device_mesh("cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu", (dist.get_world_size(),))
+
+
+def _plan(attention: str, ffn: str, *, row=None) -> dict:
+    """The tensor-parallel plan of one block: q/k/v and gate/up column-parallel, o and down
+    row-parallel (the Megatron split: one all-reduce after attention, one after the FFN)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    row = row or RowwiseParallel
+    return {
+        f"{attention}.q_proj": ColwiseParallel(),
+        f"{attention}.k_proj": ColwiseParallel(),
+        f"{attention}.v_proj": ColwiseParallel(),
+        f"{attention}.o_proj": RowwiseParallel(),
+        f"{ffn}.gate_proj": ColwiseParallel(),
+        f"{ffn}.up_proj": ColwiseParallel(),
+        f"{ffn}.down_proj": row(),
+    }
+
+
+def llama_tp(*, seed: int = 0, plan_of=None) -> nn.Module:
+    """The sample Hugging Face Llama (``samples/hf_llama.py:build``) tensor-parallel over
+    every rank with ``parallelize_module``. ``plan_of(index)`` gives a block's plan."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model, where = hf_llama.build(seed=seed), mesh()
+    for index, layer in enumerate(model.model.layers):
+        parallelize_module(layer, where, (plan_of or (lambda i: _plan("self_attn", "mlp")))(index))
+    return model
+
+
+def tinylm_tp(*, seed: int = 0, plan_of=None) -> nn.Module:
+    """The sample model (``samples/tinylm.py:build``) tensor-parallel over every rank: each
+    rank computes its share of the attention heads and FFN columns."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model, where = tinylm.build(seed=seed), mesh()
+    world = where.size()
+    for index, block in enumerate(model.blocks):
+        parallelize_module(block, where, (plan_of or (lambda i: _plan("attn", "ffn")))(index))
+        block.attn.heads //= world  # the heads this rank computes
+        block.attn.kv_heads //= world
+    return model
+
+
+def _local_sequence(x: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of the sequence (dimension 1)."""
+    return x.chunk(dist.get_world_size(), dim=1)[dist.get_rank()].contiguous()
+
+
+def _whole_sequence(x: torch.Tensor, order=None) -> torch.Tensor:
+    """Every rank's slice of the sequence, concatenated in rank order (or ``order``)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat([parts[r] for r in (order(len(parts)) if order else range(len(parts)))], dim=1)
+
+
+class SequenceParallelBlock(tinylm.Block):
+    """A pre-norm block with Megatron-style sequence parallelism, written by hand around
+    tensor-parallel attention and FFN: each rank normalizes its own slice of the sequence
+    (the norms take and return plain local shards: ``samples/tinylm_sp.toml`` declares
+    them), and the normalized slices are all-gathered before attention and FFN."""
+
+    gather_order = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(_whole_sequence(self.attn_norm(_local_sequence(x)), self.gather_order), cos, sin)
+        return x + self.ffn(_whole_sequence(self.ffn_norm(_local_sequence(x)), self.gather_order))
+
+
+def tinylm_sp(*, seed: int = 0, block: int | None = None, order=None) -> nn.Module:
+    """``tinylm_tp`` with sequence-parallel norms (diff it with ``--cand-hooks
+    samples/tinylm_sp.toml``, which declares the norms' local shards)."""
+    model = tinylm_tp(seed=seed)
+    for index, layer in enumerate(model.blocks):
+        layer.__class__ = SequenceParallelBlock
+        if index == block:
+            layer.gather_order = order
+    return model
+
+
+# -- planted bugs: tensor and sequence parallel -------------------------------------------
+
+
+def _row_without_all_reduce():
+    """A row-parallel style whose output skips the all-reduce: each rank's partial sum is
+    taken as the complete one."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class PartialTakenAsComplete(RowwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            return outputs.to_local()  # a Partial DTensor's local value: this rank's share only
+
+    return PartialTakenAsComplete()
+
+
+def all_reduce_skipped(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """The FFN's row-parallel down projection in ``block`` skips its all-reduce."""
+    return llama_tp(plan_of=lambda i: _plan("self_attn", "mlp", row=_row_without_all_reduce if i == block else None))
+
+
+def kv_heads_swapped(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """Grouped-query attention sharded with the key/value heads in the wrong order: in
+    ``block`` each rank holds another rank's key and value heads for its query heads."""
+    from torch.distributed.tensor import DTensor
+
+    model = llama_tp()
+    world, me = dist.get_world_size(), dist.get_rank()
+    attention = model.model.layers[block].self_attn
+    for name in ("k_proj", "v_proj"):
+        weight = getattr(attention, name).weight
+        local = weight.to_local()
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous())
+        swapped = DTensor.from_local(parts[(me + 1) % world], weight.device_mesh, weight.placements, run_check=False)
+        getattr(attention, name).weight = nn.Parameter(swapped, requires_grad=False)
+    return model
+
+
+def norm_on_one_rank(*, block: int = DEFAULT_BLOCK, rank: int = 1) -> nn.Module:
+    """The post-attention norm of ``block`` has another epsilon on one rank only (a config
+    value read differently there): that rank's replica of the norm's output differs."""
+    model = llama_tp()
+    if dist.get_rank() == rank:
+        model.model.layers[block].post_attention_layernorm.variance_epsilon = 0.5
+    return model
+
+
+def rotary_offset(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """Rotary positions offset by the rank (the per-rank offset of sequence parallelism,
+    applied where the sequence is not split): in ``block`` every rank but 0 rotates its
+    query and key heads for positions shifted by its rank."""
+    model = llama_tp()
+    me = dist.get_rank()
+    attention = model.model.layers[block].self_attn
+
+    def shifted(module, args, kwargs):
+        cos, sin = kwargs["position_embeddings"]
+        kwargs["position_embeddings"] = (cos.roll(me, dims=-2), sin.roll(me, dims=-2))
+        return args, kwargs
+
+    attention.register_forward_pre_hook(shifted, with_kwargs=True)
+    return model
+
+
+def sequence_gathered_reversed(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """In ``block`` the sequence slices are gathered in reverse rank order: the block's
+    glue between its norms and the modules after them hands them a shuffled sequence."""
+    return tinylm_sp(block=block, order=lambda world: range(world - 1, -1, -1))
+
+
+# -- expert parallel ----------------------------------------------------------------------
+
+
+class ExpertParallelMoE(tinylm.MoE):
+    """The sample MoE with its experts split across ranks: rank r keeps experts
+    [r·E/W, (r+1)·E/W) only. Every rank routes every token (the router is replicated),
+    runs its own experts on the tokens routed to them, and the ranks' outputs are summed
+    (all-gather dispatch: one all-reduce per layer)."""
+
+    def shard(self, rank: int, world: int) -> None:
+        per = len(self.experts) // world
+        self.first, self.total = rank * per, len(self.experts)
+        self.experts = nn.ModuleList(list(self.experts)[self.first : self.first + per])
+
+    def local_index(self, e: int) -> int:
+        return e - self.first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        _, weights, indices = self.router(flat)
+        out = torch.zeros_like(flat)
+        for e in range(self.first, self.first + len(self.experts)):
+            token, slot = torch.where(indices == e)
+            if token.numel():
+                y = self.experts[self.local_index(e)](flat[token]) * weights[token, slot, None].to(flat.dtype)
+                out.index_add_(0, token, y)
+        return funcol.all_reduce(out, "sum", dist.group.WORLD).view(shape)
+
+
+class OffsetOnOneRank(ExpertParallelMoE):
+    """Rank 1 maps global expert e to local e − first + 1 (mod its count): its tokens run
+    through its neighbour expert."""
+
+    def local_index(self, e: int) -> int:
+        return (e - self.first + (1 if dist.get_rank() == 1 else 0)) % len(self.experts)
+
+
+def tinylm_moe(*, seed: int = 0) -> nn.Module:
+    """The single-device reference of the expert-parallel sample (4 experts, top-2)."""
+    return tinylm.build_moe(seed=seed, experts=4)
+
+
+def tinylm_ep(*, seed: int = 0, moe: type = ExpertParallelMoE, block: int | None = None) -> nn.Module:
+    """``tinylm_moe`` with its experts split across every rank."""
+    model = tinylm_moe(seed=seed)
+    for index, layer in enumerate(model.blocks):
+        layer.ffn.__class__ = moe if block is None or index == block else ExpertParallelMoE
+        layer.ffn.shard(dist.get_rank(), dist.get_world_size())
+    return model
+
+
+def expert_offset(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """An expert-index offset on one rank of the expert-parallel sample, in ``block``."""
+    return tinylm_ep(moe=OffsetOnOneRank, block=block)
+
+
+# factory → (reference factory, blamed sub-path, part of an MoE ffn)
+BUGS = {
+    "all_reduce_skipped": ("hf_llama.py:build", "ffn", None),
+    "kv_heads_swapped": ("hf_llama.py:build", "attention", None),
+    "norm_on_one_rank": ("hf_llama.py:build", "norm", None),
+    "rotary_offset": ("hf_llama.py:build", "attention", None),
+    "expert_offset": ("sharded.py:tinylm_moe", "ffn", "experts"),
+}
+# clean sharded factory → its single-device reference
+CLEAN = {"llama_tp": "hf_llama.py:build", "tinylm_tp": "tinylm.py:build", "tinylm_ep": "sharded.py:tinylm_moe"}
