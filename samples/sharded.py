@@ -21,9 +21,10 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 try:  # imported as samples.sharded (tests) or loaded from its file path (CLI)
-    from . import hf_llama, tinylm
+    from . import hf_llama, hf_moe, tinylm
 except ImportError:  # pragma: no cover
     import hf_llama
+    import hf_moe
     import tinylm
 
 DEFAULT_BLOCK = 1
@@ -63,6 +64,19 @@ def llama_tp(*, seed: int = 0, plan_of=None) -> nn.Module:
     model, where = hf_llama.build(seed=seed), mesh()
     for index, layer in enumerate(model.model.layers):
         parallelize_module(layer, where, (plan_of or (lambda i: _plan("self_attn", "mlp")))(index))
+    return model
+
+
+def mixtral_tp(*, seed: int = 0) -> nn.Module:
+    """The sample Hugging Face Mixtral (``samples/hf_moe.py:build``) with tensor-parallel
+    attention; its experts (fused 3-D weights) stay replicated on every rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model, where = hf_moe.build(seed=seed), mesh()
+    plan = {f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+    plan["self_attn.o_proj"] = RowwiseParallel()
+    for layer in model.model.layers:
+        parallelize_module(layer, where, plan)
     return model
 
 
@@ -244,13 +258,22 @@ def expert_offset(*, block: int = DEFAULT_BLOCK) -> nn.Module:
     return tinylm_ep(moe=OffsetOnOneRank, block=block)
 
 
-# factory → (reference factory, blamed sub-path, part of an MoE ffn)
+# The sequence-parallel sample's hook map: its norms take and return local shards.
+SP_HOOKS = "samples/tinylm_sp.toml"
+# planted bug → (its single-device reference, blamed sub-path, part of an MoE ffn, candidate hook map)
 BUGS = {
-    "all_reduce_skipped": ("hf_llama.py:build", "ffn", None),
-    "kv_heads_swapped": ("hf_llama.py:build", "attention", None),
-    "norm_on_one_rank": ("hf_llama.py:build", "norm", None),
-    "rotary_offset": ("hf_llama.py:build", "attention", None),
-    "expert_offset": ("sharded.py:tinylm_moe", "ffn", "experts"),
+    "all_reduce_skipped": ("samples/hf_llama.py:build", "ffn", None, None),
+    "kv_heads_swapped": ("samples/hf_llama.py:build", "attention", None, None),
+    "norm_on_one_rank": ("samples/hf_llama.py:build", "norm", None, None),
+    "rotary_offset": ("samples/hf_llama.py:build", "attention", None, None),
+    "expert_offset": ("samples/sharded.py:tinylm_moe", "ffn", "experts", None),
+    "sequence_gathered_reversed": ("samples/tinylm.py:build", "residual", None, SP_HOOKS),
 }
-# clean sharded factory → its single-device reference
-CLEAN = {"llama_tp": "hf_llama.py:build", "tinylm_tp": "tinylm.py:build", "tinylm_ep": "sharded.py:tinylm_moe"}
+# clean sharded sample → (its single-device reference, candidate hook map)
+CLEAN = {
+    "llama_tp": ("samples/hf_llama.py:build", None),
+    "mixtral_tp": ("samples/hf_moe.py:build", None),
+    "tinylm_tp": ("samples/tinylm.py:build", None),
+    "tinylm_sp": ("samples/tinylm.py:build", SP_HOOKS),
+    "tinylm_ep": ("samples/sharded.py:tinylm_moe", None),
+}

@@ -24,8 +24,6 @@ import pytest
 from samples import sharded
 
 ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = ROOT / "samples"
-SP_HOOKS = str(SAMPLES / "tinylm_sp.toml")
 BLOCK = sharded.DEFAULT_BLOCK
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo launches on Linux and macOS")
@@ -72,24 +70,8 @@ def launch(args: list[str], *, world: int = 2, timeout: float = 240, env: dict |
 # -- the Python API: every scenario in one launch ----------------------------------------------
 
 LLAMA = "samples/hf_llama.py:build"
-TINYLM = "samples/tinylm.py:build"
-MOE = "samples/sharded.py:tinylm_moe"
-
-CLEAN = {
-    "llama_tp": (LLAMA, None),
-    "tinylm_tp": (TINYLM, None),
-    "tinylm_ep": (MOE, None),
-    "tinylm_sp": (TINYLM, SP_HOOKS),
-}
-# bug factory → (reference, hooks, blamed sub-path, part of an MoE ffn)
-PLANTED = {
-    "all_reduce_skipped": (LLAMA, None, "ffn", None),
-    "kv_heads_swapped": (LLAMA, None, "attention", None),
-    "norm_on_one_rank": (LLAMA, None, "norm", None),
-    "rotary_offset": (LLAMA, None, "attention", None),
-    "expert_offset": (MOE, None, "ffn", "experts"),
-    "sequence_gathered_reversed": (TINYLM, SP_HOOKS, "residual", None),
-}
+CLEAN = sharded.CLEAN  # clean sharded sample → (reference, candidate hook map)
+PLANTED = sharded.BUGS  # planted bug → (reference, blamed sub-path, part, candidate hook map)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -98,7 +80,7 @@ def _scenarios(dump: Path) -> list[dict]:
     for dtype in DTYPES:
         for name, (ref, hooks) in CLEAN.items():
             found.append({"name": f"clean {name} {dtype}", "reference": ref, "candidate": f"samples/sharded.py:{name}", "dtype": dtype, "hooks": hooks})
-        for name, (ref, hooks, _, _) in PLANTED.items():
+        for name, (ref, _, _, hooks) in PLANTED.items():
             found.append({"name": f"bug {name} {dtype}", "reference": ref, "candidate": f"samples/sharded.py:{name}", "dtype": dtype, "hooks": hooks})
     # A single-device reference dump replayed against sharded candidates.
     found.append({"name": "replay clean", "reference": str(dump), "candidate": "samples/sharded.py:llama_tp"})
@@ -143,7 +125,7 @@ def test_clean_sharded_candidate_blames_nothing(outcomes, name, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(PLANTED))
 def test_planted_distributed_bug_is_blamed_exactly(outcomes, name, dtype):
-    _, _, subpath, part = PLANTED[name]
+    _, subpath, part, _ = PLANTED[name]
     first = _found(outcomes, f"bug {name} {dtype}")["first"]
     assert first is not None, f"{name} in {dtype}: nothing blamed"
     assert (first["block"], first["subpath"], first["part"]) == (BLOCK, subpath, part), first["headline"]
