@@ -231,6 +231,67 @@ def output_shard_dim(module: torch.nn.Module) -> int | None:
     return None
 
 
+@contextmanager
+def apart() -> Iterator[None]:
+    """Within: each rank works on its own (a pipeline stage judges its own blocks), its
+    comparisons its own; :func:`lockstep` again after."""
+    from . import compare
+
+    before = _lockstep["on"]
+    _lockstep["on"] = False
+    reducers = list(compare.ACROSS_RANKS)
+    compare.ACROSS_RANKS.clear()
+    try:
+        yield
+    finally:
+        compare.ACROSS_RANKS.extend(reducers)
+        _lockstep["on"] = before
+
+
+def every_rank(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (pickled across: small objects, or tensors the
+    caller accepts to copy)."""
+    import torch.distributed as dist
+
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, obj)
+    return found
+
+
+def every_rank_sites(sites: list[Any]) -> list[Any]:
+    """The sites every rank recorded (a pipeline: each rank ran some modules), on every
+    rank: in rank order, which is the order stages run; numbered again in that order; a
+    site two ranks recorded (a context module every stage runs) kept once, from the first.
+    This rank keeps its own sites as they are; another rank's arrive without the objects
+    its calls held by reference (:class:`~blockdiff.site.Opaque` values), which only that
+    rank could replay."""
+    import dataclasses
+
+    from .site import Opaque
+
+    def portable(obj: Any) -> Any:
+        if isinstance(obj, Opaque):
+            return Opaque(obj.type_name, None, cache=obj.cache)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*(portable(v) for v in obj))
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(portable(v) for v in obj)
+        if isinstance(obj, dict):
+            return {k: portable(v) for k, v in obj.items()}
+        return obj
+
+    sent = [dataclasses.replace(s, args=portable(s.args), kwargs=portable(s.kwargs), output=portable(s.output)) for s in sites]
+    me, found, seen = rank(), [], set()
+    for source, theirs in enumerate(every_rank(sent)):
+        for site in sites if source == me else theirs:
+            key = (site.stage, site.block, site.subpath, site.module, site.call)
+            if key in seen:
+                continue
+            seen.add(key)
+            found.append(dataclasses.replace(site, order=len(found)))
+    return found
+
+
 # -- replicas -----------------------------------------------------------------------------
 
 
@@ -347,6 +408,9 @@ __all__ = [
     "declared_whole",
     "output_shard_dim",
     "replica_disagreement",
+    "apart",
+    "every_rank",
+    "every_rank_sites",
     "FailureWatch",
     "finish",
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextvars
 import datetime as _dt
 import tempfile
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, Union
@@ -35,7 +35,7 @@ from .capture import TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
 from .dtypes import dtype_name, precision_label
 from .errors import BlockdiffError, DumpError, InputError, ModelRunError
-from .hookmap import HookMap, Layout, resolve
+from .hookmap import HookMap, Layout, layout_from_dict, resolve
 from .inputs import (
     Inputs,
     check_inputs,
@@ -49,11 +49,12 @@ from .inputs import (
     random_tokens,
 )
 from .loading import is_dump
+from .compare import metrics
 from .localize import Localizer, NonfiniteScan
 from .pairing import check_block_counts
 from .report import Check, Report, SubpathResult
 from .site import describe_key
-from .sides import DumpSide, LiveSide, ShardedSide, Side, compiled_code_limits, versions
+from .sides import DumpSide, LiveSide, PipelineSide, ShardedSide, Side, compiled_code_limits, versions
 from .store import MemoryStore, release_freed_memory
 from .experiments import StoredFloors
 from .tolerance import Threshold, Tolerance, working_dtype
@@ -261,12 +262,23 @@ def inputs_for(
 
 
 def _live_side(name: str, model: nn.Module, hooks: HookMap | None, inputs: Inputs, label: str | None) -> LiveSide:
-    # In a sharded run the reference is one device's model on every rank; what is
-    # captured or judged may be split across them.
-    kind = ShardedSide if distributed.in_lockstep() and name != "reference" else LiveSide
-    side = kind(name, model, resolve(model, hooks), label=label)
+    layout = resolve(model, hooks)
+    if not distributed.in_lockstep() or name == "reference":  # a reference: one device's model on every rank
+        side: LiveSide = LiveSide(name, model, layout, label=label)
+    else:
+        layouts = [layout_from_dict(found) for found in distributed.every_rank(layout.to_dict())]
+        held = [{block.index for block in theirs.blocks} for theirs in layouts]
+        if all(blocks == held[0] for blocks in held):
+            side = ShardedSide(name, model, layout, label=label)  # tensor, sequence, expert parallel
+        elif all(not (a & b) for i, a in enumerate(held) for b in held[i + 1 :]):
+            side = PipelineSide(name, model, layout, layouts, label=label)  # one stage per rank
+        else:
+            raise InputError(
+                f"the {name}'s ranks hold overlapping sets of blocks ({held}): a pipeline stage per rank, or "
+                "every block on every rank (tensor or expert parallel), is what blockdiff localizes"
+            )
     if isinstance(inputs, torch.Tensor):
-        check_vocab(inputs, vocab_size(model, side.layout), side=name if name != "captured" else "model")
+        check_vocab(inputs, vocab_size(model, layout), side=name if name != "captured" else "model")
     return side
 
 
@@ -573,9 +585,16 @@ def _localize(
         # Drift floors: the reference's own free run at the candidate's precision.
         record = free_run or (lambda side: _record_in_memory(side, inputs))
         localizer.experiments.free_run = record(floor)
-    with torch.inference_mode():
+    # A pipeline's ranks each judge the blocks and stages they hold, apart, then share.
+    pipeline = isinstance(cand, PipelineSide)
+    with torch.inference_mode(), distributed.apart() if pipeline else nullcontext():
+        if pipeline:
+            localizer.judged_here = cand.holds
         stages = _run("candidate", lambda: list(localizer.stages()))
         blocks = _run("candidate", lambda: _counted(localizer.blocks(), "localize", len(cand.layout.blocks)))
+    if pipeline:
+        stages, blocks = _every_stage(stages, blocks, localizer)
+        _handoff_checks(blocks, ref, cand, localizer)
     report = Report(
         reference=dict(ref.meta),
         candidate=dict(cand.meta),
@@ -629,6 +648,52 @@ def _localize(
         )
         report.tolerance["policy"] = "fixed"
     return report
+
+
+def _every_stage(stages: list, blocks: list, localizer: Localizer) -> tuple[list, list]:
+    """What every pipeline stage judged (its own stages and blocks), on every rank, in
+    execution order: results, routing statistics, notes and non-finite values."""
+    found = distributed.every_rank((stages, blocks, localizer.moe, localizer.notes, localizer.nonfinite.found))
+    stages = sorted((s for theirs in found for s in theirs[0]), key=lambda s: s.order)  # the reference's order
+    blocks = sorted((b for theirs in found for b in theirs[1]), key=lambda b: b.index)
+    localizer.moe = sorted((m for theirs in found for m in theirs[2]), key=lambda m: m["block"])
+    localizer.notes = [note for theirs in found for note in theirs[3]]
+    for theirs in found:
+        localizer.nonfinite.merge(theirs[4])
+    return stages, blocks
+
+
+def _handoff_checks(blocks: list, ref: Side, cand: PipelineSide, localizer: Localizer) -> None:
+    """Where one pipeline stage hands the residual stream to the next (block i on one rank,
+    block i + 1 on another), what the next stage's first block received must be what the
+    stage before produced: checked (in that block's ``residual``, before its sub-paths)
+    wherever the reference hands its block output on unchanged."""
+    owner = {index: rank for rank, held in enumerate(cand.meta["stages"]) for index in held}
+    by_index = {b.index: b for b in blocks}
+    for index in sorted(owner):
+        after = index + 1
+        if after not in owner or owner[after] == owner[index] or after not in by_index:
+            continue
+        r_out, r_in = _block_site(ref, index).primary_output(), _block_site(ref, after).hidden_input()
+        c_prev, c_next = _block_site(cand, index), _block_site(cand, after)
+        c_out, c_in = c_prev.primary_output(), c_next.hidden_input()
+        if any(t is None for t in (r_out, r_in, c_out, c_in)) or r_out.shape != r_in.shape or not torch.equal(r_out, r_in):
+            continue
+        if c_out.shape != c_in.shape:
+            raise InputError(f"block {after} received a tensor of shape {list(c_in.shape)} from the stage before, which produced {list(c_out.shape)}")
+        dtype = localizer.experiments.dtype
+        check = Check(
+            f"input handed over from block {index} (rank {owner[index]} to rank {owner[after]})",
+            c_next.module,
+            metrics(c_out, c_in, dtype=dtype),
+            localizer.tolerance.threshold("residual", dtype, None),
+            order=c_next.order,
+        )
+        by_index[after].subpaths.setdefault("residual", SubpathResult("checked", order=c_next.order)).checks.insert(0, check)
+
+
+def _block_site(side: Side, index: int) -> Any:
+    return next(s for s in side.store.block_sites(index) if s.subpath is None)
 
 
 def _replica_check(report: Report, side: Side, dtype: torch.dtype) -> None:

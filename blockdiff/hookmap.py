@@ -427,16 +427,20 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
         if found is None:
             raise missing("block list", stack_path)
         stack = modules[found]
-        if not isinstance(stack, (nn.ModuleList, nn.Sequential)):
+        # A ModuleDict keyed by block index: a pipeline stage's share of the blocks.
+        keyed = isinstance(stack, nn.ModuleDict) and all(name.isdigit() for name in stack.keys())
+        if not (keyed or isinstance(stack, (nn.ModuleList, nn.Sequential))):
             raise HookMapError(
                 f"hook map {hook_map.name}: block list {found!r} is a {type(stack).__name__}, "
-                "expected a ModuleList or Sequential",
+                "expected a ModuleList, a Sequential or a ModuleDict keyed by block index",
                 source=hook_map.source,
             )
+        first = len(blocks)
         for name, _ in stack.named_children():
             block_path = f"{found}.{name}" if found else name
             clean_block = without_compile(block_path)
-            layout = BlockLayout(index=len(blocks), path=block_path, stack=found)
+            index = first + int(name) if keyed else len(blocks)
+            layout = BlockLayout(index=index, path=block_path, stack=found)
             for subpath in MODULE_SUBPATHS:
                 paths = []
                 for rel in hook_map.subpaths.get(subpath, ()):

@@ -70,6 +70,12 @@ class Localizer:
         self.moe: list[dict[str, Any]] = []  # routing statistics, one entry per MoE block
         self.nonfinite = NonfiniteScan()
         self.notes: list[str] = []  # what could not be judged, and why
+        # Which candidate sites this process judges (a pipeline stage: the blocks and stages
+        # its rank holds); None: all of them.
+        self.judged_here: Callable[[Site], bool] | None = None
+
+    def _here(self, site: Site) -> bool:
+        return self.judged_here is None or self.judged_here(site)
 
     def _judged(self, where: str, experiment: Callable[[], T]) -> T | None:
         """``experiment()``, or ``None`` (and a note) when a call it replays holds an
@@ -88,6 +94,8 @@ class Localizer:
         """Local errors and drift of the sites outside blocks (embed, context, final norm, head)."""
         pairs = pair_outside(self.ref.store, self.cand.store, self.ref.layout, self.cand.layout)
         for r, c in pairs:
+            if not self._here(c):
+                continue
             self.nonfinite.see(r, c)
             drift = self.experiments.drift(r, c)
             if self.cand.live:
@@ -139,6 +147,8 @@ class Localizer:
         check_block_counts(len(ref_blocks), len(self.cand.store.block_indices()))
         streamed = not (isinstance(self.ref.store, MemoryStore) and isinstance(self.cand.store, MemoryStore))
         for index in ref_blocks:
+            if not self._here(pair_block(self.ref.store, self.cand.store, index, self.ref.layout, self.cand.layout).cand_block):
+                continue
             yield self.block(index)
             if streamed:
                 release_freed_memory()
@@ -306,6 +316,16 @@ class NonfiniteScan:
 
     def result(self) -> dict[str, dict[str, Any]]:
         return {role: where for role, (_, where) in self._found.items()}
+
+    @property
+    def found(self) -> dict[str, tuple[tuple, dict[str, Any]]]:
+        """Each role's first site and its position: what :meth:`merge` takes (the scan of
+        another pipeline stage)."""
+        return dict(self._found)
+
+    def merge(self, found: dict[str, tuple[tuple, dict[str, Any]]]) -> None:
+        for role, (position, where) in found.items():
+            self._keep(role, position, where)
 
 
 __all__ = ["Localizer", "NonfiniteScan"]

@@ -132,7 +132,7 @@ class BlockPair:
 def layout_block(layout: Layout | None, index: int) -> BlockLayout | None:
     if layout is None:
         return None
-    return layout.blocks[index] if index < len(layout.blocks) else None
+    return next((block for block in layout.blocks if block.index == index), None)
 
 
 def pair_block(

@@ -340,6 +340,8 @@ class Divergence:
         module = self.module
         if self.subpath == "residual" and self.check.what.startswith("input of"):
             module = f"input of {module}"  # as the JSON's "what" and the HTML say it
+        elif self.subpath == "residual" and self.check.what.startswith("input handed over"):
+            module = f"{module}: {self.check.what}"  # a pipeline stage's hand-over
         if (self.check.metric == "routing_differs" or self.check.what == REPLICAS) and self.check.details:
             return f"{where} ({module}): {self.check.details.get('message', 'routing differs')}"
         nonfinite_ref, nonfinite_cand = self.check.nonfinite

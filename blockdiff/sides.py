@@ -54,7 +54,7 @@ from .site import (
     snapshot,
     with_hidden,
 )
-from .store import SiteStore
+from .store import MemoryStore, SiteStore
 
 # Activations by role ("primary", "encoder_hidden_states", "arg3", ...), as Site.hidden_inputs.
 Hidden = dict[str, torch.Tensor]
@@ -447,6 +447,60 @@ class ShardedSide(LiveSide):
         return map_structure(out, made_whole)
 
 
+class PipelineSide(LiveSide):
+    """A model split into pipeline stages, one per rank of a launched run: each rank holds
+    some of the blocks (a ``ModuleDict`` keyed by their global index) and stages, and runs
+    only those. Its record is every rank's sites put together, on every rank; its layout,
+    every rank's. An experiment on a block or stage runs on the rank that holds it
+    (:meth:`holds`), each rank apart from the others.
+
+    Args:
+        layouts: every rank's own layout, in rank order (``layout`` is this rank's).
+    """
+
+    def __init__(self, name: str, model: nn.Module, layout: Layout, layouts: list[Layout], *, label: str | None = None) -> None:
+        super().__init__(name, model, layout, label=label)
+        self.own = layout
+        self.layout = merged_layout(layouts)
+        self.meta["ranks"] = len(layouts)
+        self.meta["stages"] = [[block.index for block in theirs.blocks] for theirs in layouts]
+        me = distributed.rank()
+        self._blocks = {block.index for block in layout.blocks}
+        # A stage module several ranks hold (a rotary embedding every stage runs) is judged
+        # on the first.
+        first: dict[str, int] = {}
+        for rank, theirs in enumerate(layouts):
+            for _, path in theirs.outside:
+                first.setdefault(path, rank)
+        self._stages = {path for path, rank in first.items() if rank == me}
+
+    def holds(self, site: Site) -> bool:
+        """Whether this rank runs ``site``'s module (its block, or its stage's module)."""
+        return site.block in self._blocks if site.block is not None else site.module in self._stages
+
+    def record(
+        self, inputs: Inputs, store: SiteStore, *, hold: str | None, progress: Callable[[int, int], None] | None = None
+    ) -> Recording:
+        """Run the pipeline once (every rank its stage), recording this rank's sites, then
+        put every rank's together into ``store`` (:func:`~blockdiff.distributed.every_rank_sites`)."""
+        own = MemoryStore(store.meta)
+        recording = record_once(self.model, self.own, own, inputs, hold=None, progress=progress)  # type: ignore[arg-type]
+        for site in distributed.every_rank_sites(own.sites()):
+            store.add(site)
+        self.store = store
+        return recording
+
+
+def merged_layout(layouts: list[Layout]) -> Layout:
+    """The layout of a model whose blocks and stages are spread over several layouts (one
+    per pipeline stage): every block once, by index; every stage once."""
+    first = layouts[0]
+    blocks = {block.index: block for layout in layouts for block in layout.blocks}
+    outside = list(dict.fromkeys(entry for layout in layouts for entry in layout.outside))
+    modules = {path: options for layout in layouts for path, options in layout.modules.items()}
+    return Layout(hook_map=first.hook_map, outside=outside, blocks=[blocks[i] for i in sorted(blocks)], modules=modules)
+
+
 class DumpSide:
     """A dump written by ``blockdiff capture`` (or ``--save-dumps``): the sites one run
     recorded, with the layout, device and dtype it ran with. It runs nothing."""
@@ -569,4 +623,4 @@ def _replace_all(output: Any, recorded: Any, device: torch.device) -> Any:
     return for_replay(map_structure(recorded, cast), device=device)
 
 
-__all__ = ["Side", "LiveSide", "PrecisionSide", "ShardedSide", "DumpSide", "Hidden", "Frozen", "SiteKey", "describe"]
+__all__ = ["Side", "LiveSide", "PrecisionSide", "ShardedSide", "PipelineSide", "DumpSide", "Hidden", "Frozen", "SiteKey", "describe"]

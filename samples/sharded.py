@@ -258,16 +258,84 @@ def expert_offset(*, block: int = DEFAULT_BLOCK) -> nn.Module:
     return tinylm_ep(moe=OffsetOnOneRank, block=block)
 
 
+# -- pipeline parallel ----------------------------------------------------------------------
+
+
+class PipelinedTinyLM(tinylm.TinyLM):
+    """One pipeline stage of the sample model per rank: rank r holds blocks
+    [r·B/W, (r+1)·B/W) (a ``ModuleDict`` keyed by their global index), the first rank the
+    embedding, the last the final norm and head; the other modules are deleted. Each stage
+    receives its input from the rank before (point-to-point), runs its blocks and sends
+    its output on; the logits are broadcast from the last rank, so every rank's forward
+    returns them."""
+
+    feed_from: int | None = None  # a planted bug: the stage whose output the next stage receives
+
+    def split(self, rank: int, world: int) -> None:
+        per = len(self.blocks) // world
+        self.stage, self.stages = rank, world
+        self.blocks = nn.ModuleDict({str(i): self.blocks[i] for i in range(rank * per, (rank + 1) * per)})
+        if rank != 0:
+            del self.embed
+        if rank != world - 1:
+            del self.norm, self.lm_head
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b, s = input_ids.shape
+        shape = (b, s, self.cfg.hidden)
+        if self.stage == 0:
+            x = self.embed(input_ids)
+        else:
+            x = torch.empty(shape, dtype=_dtype(self))
+            dist.recv(x, src=self.stage - 1)
+        positions = torch.arange(s, device=input_ids.device)
+        cos, sin = self.rotary(x, positions)
+        inputs = x
+        for block in self.blocks.values():
+            x = block(x, cos, sin)
+        if self.stage < self.stages - 1:
+            dist.send((inputs if self.feed_from == self.stage else x).contiguous(), dst=self.stage + 1)
+            logits = torch.empty((b, s, self.cfg.vocab_size), dtype=_dtype(self))
+        else:
+            logits = self.lm_head(self.norm(x))
+        dist.broadcast(logits, src=self.stages - 1)
+        return logits
+
+
+def _dtype(module: nn.Module) -> torch.dtype:
+    return next(p.dtype for p in module.parameters() if p.is_floating_point())
+
+
+def tinylm_pp(*, seed: int = 0, feed_from: int | None = None) -> nn.Module:
+    """The sample model (``samples/tinylm.py:build``) as a pipeline of one stage per rank
+    (diff it with ``--cand-hooks samples/tinylm_pp.toml``: a stage holds only some of the
+    modules the map names)."""
+    model = tinylm.build(seed=seed)
+    model.__class__ = PipelinedTinyLM
+    model.feed_from = feed_from
+    model.split(dist.get_rank(), dist.get_world_size())
+    return model
+
+
+def stage_fed_wrong_output(*, block: int | None = None) -> nn.Module:
+    """The second stage is fed the first stage's *input* (the embedding) instead of its
+    output: every block is right, the hand-over between ranks is not."""
+    return tinylm_pp(feed_from=0)
+
+
 # The sequence-parallel sample's hook map: its norms take and return local shards.
 SP_HOOKS = "samples/tinylm_sp.toml"
-# planted bug → (its single-device reference, blamed sub-path, part of an MoE ffn, candidate hook map)
+PP_HOOKS = "samples/tinylm_pp.toml"
+# planted bug → (its single-device reference, blamed block, sub-path, part of an MoE ffn, candidate hook map)
 BUGS = {
-    "all_reduce_skipped": ("samples/hf_llama.py:build", "ffn", None, None),
-    "kv_heads_swapped": ("samples/hf_llama.py:build", "attention", None, None),
-    "norm_on_one_rank": ("samples/hf_llama.py:build", "norm", None, None),
-    "rotary_offset": ("samples/hf_llama.py:build", "attention", None, None),
-    "expert_offset": ("samples/sharded.py:tinylm_moe", "ffn", "experts", None),
-    "sequence_gathered_reversed": ("samples/tinylm.py:build", "residual", None, SP_HOOKS),
+    "all_reduce_skipped": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "ffn", None, None),
+    "kv_heads_swapped": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "attention", None, None),
+    "norm_on_one_rank": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "norm", None, None),
+    "rotary_offset": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "attention", None, None),
+    "expert_offset": ("samples/sharded.py:tinylm_moe", DEFAULT_BLOCK, "ffn", "experts", None),
+    "sequence_gathered_reversed": ("samples/tinylm.py:build", DEFAULT_BLOCK, "residual", None, SP_HOOKS),
+    # at world size 2: the first block of the second stage
+    "stage_fed_wrong_output": ("samples/tinylm.py:build", 2, "residual", None, PP_HOOKS),
 }
 # clean sharded sample → (its single-device reference, candidate hook map)
 CLEAN = {
@@ -276,4 +344,5 @@ CLEAN = {
     "tinylm_tp": ("samples/tinylm.py:build", None),
     "tinylm_sp": ("samples/tinylm.py:build", SP_HOOKS),
     "tinylm_ep": ("samples/sharded.py:tinylm_moe", None),
+    "tinylm_pp": ("samples/tinylm.py:build", PP_HOOKS),
 }

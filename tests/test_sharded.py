@@ -71,7 +71,7 @@ def launch(args: list[str], *, world: int = 2, timeout: float = 240, env: dict |
 
 LLAMA = "samples/hf_llama.py:build"
 CLEAN = sharded.CLEAN  # clean sharded sample → (reference, candidate hook map)
-PLANTED = sharded.BUGS  # planted bug → (reference, blamed sub-path, part, candidate hook map)
+PLANTED = sharded.BUGS  # planted bug → (reference, blamed block, sub-path, part, candidate hook map)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -80,7 +80,7 @@ def _scenarios(dump: Path) -> list[dict]:
     for dtype in DTYPES:
         for name, (ref, hooks) in CLEAN.items():
             found.append({"name": f"clean {name} {dtype}", "reference": ref, "candidate": f"samples/sharded.py:{name}", "dtype": dtype, "hooks": hooks})
-        for name, (ref, _, _, hooks) in PLANTED.items():
+        for name, (ref, _, _, _, hooks) in PLANTED.items():
             found.append({"name": f"bug {name} {dtype}", "reference": ref, "candidate": f"samples/sharded.py:{name}", "dtype": dtype, "hooks": hooks})
     # A single-device reference dump replayed against sharded candidates.
     found.append({"name": "replay clean", "reference": str(dump), "candidate": "samples/sharded.py:llama_tp"})
@@ -125,10 +125,10 @@ def test_clean_sharded_candidate_blames_nothing(outcomes, name, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(PLANTED))
 def test_planted_distributed_bug_is_blamed_exactly(outcomes, name, dtype):
-    _, subpath, part, _ = PLANTED[name]
+    _, block, subpath, part, _ = PLANTED[name]
     first = _found(outcomes, f"bug {name} {dtype}")["first"]
     assert first is not None, f"{name} in {dtype}: nothing blamed"
-    assert (first["block"], first["subpath"], first["part"]) == (BLOCK, subpath, part), first["headline"]
+    assert (first["block"], first["subpath"], first["part"]) == (block, subpath, part), first["headline"]
 
 
 def test_replicas_that_disagree_are_blamed_where_they_first_differ_naming_the_rank(outcomes):
@@ -160,6 +160,13 @@ def test_expert_parallel_routing_statistics_are_global(outcomes):
 def test_offset_expert_on_one_rank_is_blamed_on_the_experts(outcomes):
     first = _found(outcomes, "bug expert_offset float32")["first"]
     assert first["part"] == "experts" and first["module"] == f"blocks.{BLOCK}.ffn"
+
+
+def test_a_pipeline_stage_fed_the_wrong_output_is_blamed_on_the_hand_over(outcomes):
+    first = _found(outcomes, "bug stage_fed_wrong_output float32")["first"]
+    assert first["what"] == "input handed over from block 1 (rank 0 to rank 1)", first["headline"]
+    clean = _found(outcomes, "clean tinylm_pp float32")
+    assert clean["candidate"]["stages"] == [[0, 1], [2, 3]]
 
 
 def test_a_reference_dump_replays_against_a_sharded_candidate(outcomes):
