@@ -130,7 +130,7 @@ def tinylm_sp(*, seed: int = 0, block: int | None = None, order=None) -> nn.Modu
     return model
 
 
-# -- planted bugs: tensor and sequence parallel -------------------------------------------
+# -- planted bugs: tensor and sequence parallel --------------------------------------------
 
 
 def _row_without_all_reduce():
@@ -178,27 +178,55 @@ def norm_on_one_rank(*, block: int = DEFAULT_BLOCK, rank: int = 1) -> nn.Module:
     return model
 
 
-def rotary_offset(*, block: int = DEFAULT_BLOCK) -> nn.Module:
-    """Rotary positions offset by the rank (the per-rank offset of sequence parallelism,
-    applied where the sequence is not split): in ``block`` every rank but 0 rotates its
-    query and key heads for positions shifted by its rank."""
-    model = llama_tp()
-    me = dist.get_rank()
-    attention = model.model.layers[block].self_attn
-
-    def shifted(module, args, kwargs):
-        cos, sin = kwargs["position_embeddings"]
-        kwargs["position_embeddings"] = (cos.roll(me, dims=-2), sin.roll(me, dims=-2))
-        return args, kwargs
-
-    attention.register_forward_pre_hook(shifted, with_kwargs=True)
-    return model
-
-
 def sequence_gathered_reversed(*, block: int = DEFAULT_BLOCK) -> nn.Module:
     """In ``block`` the sequence slices are gathered in reverse rank order: the block's
     glue between its norms and the modules after them hands them a shuffled sequence."""
     return tinylm_sp(block=block, order=lambda world: range(world - 1, -1, -1))
+
+
+# -- context parallel ---------------------------------------------------------------------
+
+
+class ContextParallelAttention(tinylm.Attention):
+    """The sample's attention with its queries split over the ranks by sequence position:
+    each rank projects and rotates the queries of its slice of the sequence (positions
+    offset by where its slice starts), attends them to every key (the causal mask at
+    those positions too), and the ranks' outputs are gathered along the sequence."""
+
+    offset_positions = True  # a planted bug: every rank rotates its queries as if it held the first slice
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        chunk = s // dist.get_world_size()
+        start = dist.get_rank() * chunk
+        at = start if self.offset_positions else 0
+        q = self.q_proj(x[:, start : start + chunk]).view(b, chunk, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.rope(q, cos[at : at + chunk], sin[at : at + chunk]), self.rope(k, cos, sin)
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        mask = torch.ones(chunk, s, dtype=torch.bool, device=x.device).triu(start + 1)
+        probs = scores.masked_fill(mask, float("-inf")).float().softmax(-1).to(q.dtype)
+        out = self.o_proj((probs @ v).transpose(1, 2).reshape(b, chunk, -1))
+        return _whole_sequence(out)
+
+
+def tinylm_cp(*, seed: int = 0, block: int | None = None) -> nn.Module:
+    """The sample model with context-parallel attention in every block (``block``: the
+    one whose queries are not offset to their positions)."""
+    model = tinylm.build(seed=seed)
+    for index, layer in enumerate(model.blocks):
+        layer.attn.__class__ = ContextParallelAttention
+        layer.attn.offset_positions = index != block
+    return model
+
+
+def positions_not_offset(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """Rotary positions not offset per rank under context parallelism, in ``block``: rank
+    r's queries are rotated for positions 0.. instead of r·S/W..."""
+    return tinylm_cp(block=block)
 
 
 # -- expert parallel ----------------------------------------------------------------------
@@ -331,7 +359,7 @@ BUGS = {
     "all_reduce_skipped": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "ffn", None, None),
     "kv_heads_swapped": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "attention", None, None),
     "norm_on_one_rank": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "norm", None, None),
-    "rotary_offset": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "attention", None, None),
+    "positions_not_offset": ("samples/tinylm.py:build", DEFAULT_BLOCK, "attention", None, None),
     "expert_offset": ("samples/sharded.py:tinylm_moe", DEFAULT_BLOCK, "ffn", "experts", None),
     "sequence_gathered_reversed": ("samples/tinylm.py:build", DEFAULT_BLOCK, "residual", None, SP_HOOKS),
     # at world size 2: the first block of the second stage
@@ -343,6 +371,7 @@ CLEAN = {
     "mixtral_tp": ("samples/hf_moe.py:build", None),
     "tinylm_tp": ("samples/tinylm.py:build", None),
     "tinylm_sp": ("samples/tinylm.py:build", SP_HOOKS),
+    "tinylm_cp": ("samples/tinylm.py:build", None),
     "tinylm_ep": ("samples/sharded.py:tinylm_moe", None),
     "tinylm_pp": ("samples/tinylm.py:build", PP_HOOKS),
 }
