@@ -108,13 +108,7 @@ class OnnxModel:
             import onnxruntime as ort
 
             if inputs is None:
-                proto = onnx.ModelProto()
-                proto.CopyFrom(self.proto)
-                known = set(self.output_names)
-                infos = self._value_infos()
-                for name in outputs or ():
-                    if name not in known:
-                        proto.graph.output.append(infos[name])
+                proto = self.with_outputs(outputs or ())
             else:
                 proto = self.extractor().extract_model(list(inputs), list(outputs or ()))
             options = ort.SessionOptions()
@@ -130,9 +124,18 @@ class OnnxModel:
             self._extractor = onnx.utils.Extractor(self.proto)
         return self._extractor
 
-    def _value_infos(self) -> dict[str, Any]:
+    def with_outputs(self, names: Any) -> Any:
+        """A copy of the graph with the values ``names`` added to its outputs (what recording
+        asks ONNX Runtime to run)."""
+        import onnx
+
+        proto = onnx.ModelProto()
+        proto.CopyFrom(self.proto)
         graph = self.proto.graph
-        return {v.name: v for v in [*graph.value_info, *graph.input, *graph.output]}
+        infos = {v.name: v for v in [*graph.value_info, *graph.input, *graph.output]}
+        known = set(self.output_names)
+        proto.graph.output.extend(infos[name] for name in names if name not in known)
+        return proto
 
     def run(self, feeds: dict[str, np.ndarray], outputs: list[str], *, inputs: tuple[str, ...] | None = None) -> list[np.ndarray]:
         session = self.session(inputs, tuple(outputs))
@@ -309,11 +312,15 @@ class OnnxSide:
                 )
         return {name: _to_numpy(value) for name, value in given.items()}
 
+    def recorded_values(self) -> list[str]:
+        """Every value recording asks for: each site's inputs and outputs."""
+        return list(dict.fromkeys(v for s in self.sites.values() for v in [*s.inputs, *s.outputs]))
+
     def record(self, inputs: Any, store: SiteStore, *, hold: str | None = None, progress: Callable[[int, int], None] | None = None) -> _Unchanged:
         """One ORT run of the whole graph with every site's values as extra outputs; each
         site goes into ``store`` in the reference layout's anatomy."""
         self.store = store
-        wanted = list(dict.fromkeys(v for s in self.sites.values() for v in [*s.inputs, *s.outputs]))
+        wanted = self.recorded_values()
         feeds = self.feeds(inputs)
         values = dict(zip(wanted, self.model.run(feeds, wanted)))
         values.update(feeds)
@@ -410,7 +417,7 @@ def capture_changes_outputs(model: OnnxModel, side: OnnxSide, inputs: Any) -> fl
     absolute difference (``0.0``: recording did not change what ORT computes)."""
     feeds = side.feeds(inputs)
     plain = model.run(feeds, model.output_names)
-    extra = list(dict.fromkeys(v for s in side.sites.values() for v in [*s.inputs, *s.outputs] if v not in model.output_names))
+    extra = [v for v in side.recorded_values() if v not in model.output_names]
     captured = model.run(feeds, [*model.output_names, *extra])[: len(plain)]
     return max(float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) for a, b in zip(plain, captured))
 

@@ -14,7 +14,7 @@ import torch
 
 from blockdiff.dump import DumpReader
 from blockdiff.dumpfile import ForeignDumpWriter, reference_inputs, reference_meta, reference_sites
-from blockdiff.engine import capture
+from blockdiff.engine import capture, run
 from blockdiff.errors import DumpError
 from blockdiff.site import iter_tensors
 from samples import tinylm
@@ -112,10 +112,8 @@ def test_bfloat16_copy_is_judged_with_the_stored_floors_and_blames_nothing(refer
 def test_a_wrong_site_is_named(reference, outputs, tmp_path):
     """Block 2's attention output off by 1% (every other site as the reference's)."""
     path = write(tmp_path / "off.h5", reference, outputs, change=lambda m, out: out * 1.01 if m == "blocks.2.attn" else out)
-    code, report = report_of(reference, path, tmp_path)
-    first = report["first_divergence"]
-    assert code == 1
-    assert (first["block"], first["subpath"], first["module"]) == (2, "attention", "blocks.2.attn")
+    first = run(str(reference), str(path)).first_divergence
+    assert (first.block, first.subpath, first.module) == (2, "attention", "blocks.2.attn")
 
 
 def test_writer_refuses_what_would_not_pair(reference: Path, outputs: dict, tmp_path: Path):
