@@ -379,10 +379,10 @@ class OnnxSide:
         block = self.sites[path]
         feeds = self._feed(block, call, hidden)
         by_key = {(s.subpath, s.ordinal): s for s in self._block_sites(call.block)}
-        for key, (recorded, _template) in (frozen or {}).items():
+        for key, (recorded, own) in (frozen or {}).items():
+            # The recorded output, in the dtype this graph's own value has there.
             where = self.sites[by_key[key].module]
-            out = recorded.primary_output()
-            feeds[where.outputs[0]] = _to_numpy(out, np.float32 if self._dtype == torch.float32 else None)
+            feeds[where.outputs[0]] = _to_numpy(recorded.primary_output(), own.primary_output().numpy().dtype)
         reach = {key: self.sites[s.module].inputs[0] for key, s in by_key.items() if self.sites[s.module].inputs}
         asked = [block.outputs[0], *[v for v in dict.fromkeys(reach.values()) if v not in feeds]]
         values = dict(zip(asked, self.model.run(feeds, asked, inputs=tuple(feeds))))
