@@ -125,7 +125,7 @@ def reference_sites(path: str | os.PathLike) -> list[ReferenceSite]:
     """
     with _open_reference(path) as f:
         found = []
-        for name, group in f["sites"].items():
+        for group in f["sites"].values():
             structure = json.loads(_attr(group, "structure"))
             shapes = tuple(
                 tuple(json.loads(_attr(group[ref], "shape"))) for ref in _tensor_refs(structure["output"])
@@ -139,7 +139,7 @@ def reference_sites(path: str | os.PathLike) -> list[ReferenceSite]:
 def reference_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The reference dump's file attributes (its JSON ones parsed: ``layout``, ``versions``)."""
     with _open_reference(path) as f:
-        meta = {name: _attr(f, name) for name in f.attrs.keys()}
+        meta = {name: _attr(f, name) for name in f.attrs}
     for key in json.loads(meta.get("json_attributes", "[]")):
         meta[key] = json.loads(meta[key])
     return meta

@@ -34,7 +34,7 @@ from torch import nn
 
 from .errors import InputError, ModelSpecError, PairingError
 from .hookmap import Layout
-from .site import Site, iter_tensors
+from .site import Site
 from .store import SiteStore
 
 SCOPES = "pkg.torch.onnx.name_scopes"
@@ -104,7 +104,6 @@ class OnnxModel:
         added), or — with ``inputs`` — for the sub-graph between those values. Cached."""
         key = (inputs, outputs)
         if key not in self._sessions:
-            import onnx
             import onnxruntime as ort
 
             if inputs is None:
@@ -436,8 +435,10 @@ def diff_onnx(
     :func:`blockdiff.engine.run` does for a ``.onnx`` candidate): the live diff, with the
     candidate's experiments run as sub-graphs of its graph."""
     from . import engine
+    from .inputs import check_inputs
     from .pairing import check_block_counts
 
+    check_inputs(inputs)
     ref = engine._live_side("reference", reference, reference_hooks, inputs, labels[0])
     cand = OnnxSide("candidate", candidate, ref.layout)
     if labels[1]:

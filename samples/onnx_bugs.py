@@ -15,10 +15,9 @@ module scopes the exporter wrote on them:
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import helper, numpy_helper
-
-import numpy as np
 
 from blockdiff.onnxside import module_sites, node_scopes
 
