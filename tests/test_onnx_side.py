@@ -16,8 +16,7 @@ onnx = pytest.importorskip("onnx")
 
 from blockdiff.engine import RandomTokens, run  # noqa: E402
 from blockdiff.errors import InputError, PairingError  # noqa: E402
-from blockdiff.hookmap import resolve  # noqa: E402
-from blockdiff.onnxside import OnnxModel, OnnxSide, capture_changes_outputs, export_onnx, module_sites  # noqa: E402
+from blockdiff.onnxside import OnnxModel, export_onnx, module_sites  # noqa: E402
 from samples import onnx_bugs, tinylm  # noqa: E402
 from tests.test_cli import blockdiff_process  # noqa: E402
 
@@ -65,9 +64,8 @@ def test_clean_export_blames_nothing_and_capture_changes_nothing(exported, name)
     for block in report.blocks:
         assert {k: v.status for k, v in block.subpaths.items()} == dict.fromkeys(["norm", "attention", "ffn", "residual"], "checked")
         assert block.subpaths["attention"].checks[0].measured < 1e-5
-    # Recording every site as an extra graph output leaves the graph's own outputs bit for bit.
-    side = OnnxSide("candidate", candidate, resolve(model, None))
-    assert capture_changes_outputs(candidate, side, IDS) == 0.0
+    # Recording every site as an extra graph output leaves the graph's own outputs bit for
+    # bit (capture_changes_outputs, measured on every run, says so in a note).
     assert any("left the graph's outputs unchanged (bit for bit)" in note for note in report.notes)
 
 
