@@ -250,6 +250,9 @@ def diff_command(
     dump       model      replay: the candidate runs on the dump's inputs, localized
                           against the stored reference block by block (fixed thresholds)
     dump       dump       offline: drift at every site only
+    model      .onnx      ONNX Runtime candidate, localized with sub-graph experiments
+                          (a graph exported by torch.onnx.export(..., dynamo=True) on
+                          inputs shaped like --batch/--seq; README "Other runtimes")
 
     Exit code 0: no divergence; 1: divergence; 2: usage or input error.
 
@@ -262,6 +265,7 @@ def diff_command(
       blockdiff diff samples/tinylm.py:build_moe samples/bugs.py:moe_expert_off_by_one --capacity-factor 1.5
       blockdiff diff ref.h5 samples/bugs.py:gelu_for_silu --cand-dtype bfloat16
       blockdiff diff ref.h5 cand.h5
+      blockdiff diff samples/tinylm.py:build tinylm.onnx --batch 2 --seq 16
       blockdiff diff samples/tinylm.py:build samples/bugs.py:post_norm --plot bug.png --html bug.html
     """
     from functools import partial
@@ -269,6 +273,7 @@ def diff_command(
     from . import engine, hookmap
     from .dtypes import parse_dtype
     from .loading import build_model, is_dump, parse_device
+    from .onnxside import is_onnx
     from .tolerance import Tolerance
 
     overrides = _parse_tolerances(tols)
@@ -287,7 +292,7 @@ def diff_command(
     c_dtype = parse_dtype(cand_dtype) if cand_dtype else r_dtype
 
     def side(spec: str | None, device, dtype):
-        if spec is None or is_dump(spec):
+        if spec is None or is_dump(spec) or is_onnx(spec):
             return spec
         return partial(build_model, spec, device=device, dtype=dtype)
 

@@ -9,6 +9,8 @@ reference      candidate      mode
 model          model          live diff (:func:`diff`): full localization, calibrated floors
 dump           model          replay (:func:`replay`): the candidate runs on the dump's inputs
 dump           dump           offline comparison (:func:`compare_dumps`): drift at every site
+model          ``.onnx``      ONNX Runtime candidate (:func:`~blockdiff.onnxside.diff_onnx`):
+                              full localization, experiments run as sub-graphs of the graph
 =============  =============  ==================================================================
 
 :func:`diff`, :func:`replay` and :func:`compare_dumps` are the modes themselves (public API);
@@ -51,6 +53,7 @@ from .inputs import (
 from .loading import is_dump
 from .compare import metrics
 from .localize import Localizer, NonfiniteScan
+from .onnxside import OnnxModel, diff_onnx, is_onnx
 from .pairing import check_block_counts
 from .report import Check, Report, SubpathResult
 from .site import describe_key
@@ -118,20 +121,26 @@ SideSpec = Union[nn.Module, Callable[[], nn.Module], str, Path]
 
 
 def _dump_path(spec: SideSpec | None) -> Path | None:
-    if isinstance(spec, (str, Path)):
+    if isinstance(spec, (str, Path)) and not is_onnx(spec):
         if not is_dump(str(spec)):
             raise InputError(f"{spec}: not a dump (.h5); give a model or a factory returning one")
         return Path(spec)
     return None
 
 
-def _build(name: str, spec: SideSpec) -> nn.Module:
-    """The model a side spec stands for: the model itself, or what its factory returns."""
-    if isinstance(spec, nn.Module):
+def _build(name: str, spec: SideSpec) -> nn.Module | OnnxModel:
+    """The model a side spec stands for: the model itself, or what its factory returns; an
+    ONNX Runtime model for a ``.onnx`` path (a candidate only, see :func:`run`)."""
+    if isinstance(spec, (nn.Module, OnnxModel)):
         return spec
+    if is_onnx(spec):
+        return OnnxModel(spec)
     model = _run(name, spec)
-    if not isinstance(model, nn.Module):
-        raise InputError(f"the {name} factory returned a {type(model).__name__}, expected a torch nn.Module")
+    if not isinstance(model, (nn.Module, OnnxModel)):
+        raise InputError(
+            f"the {name} factory returned a {type(model).__name__}, expected a torch nn.Module "
+            "(or, for a candidate, a blockdiff.onnxside.OnnxModel)"
+        )
     return model
 
 
@@ -187,6 +196,8 @@ def _run_mode(reference: SideSpec, candidate: SideSpec | None, inputs: Any, opti
         return compare_dumps(ref_dump, cand_dump, **common)
     if ref_dump is not None:
         cand_model = _build("candidate", candidate)
+        if isinstance(cand_model, OnnxModel):
+            raise InputError("an ONNX Runtime candidate is localized against a live reference model, not a dump")
         if isinstance(inputs, InputsFile):
             given = load_inputs(inputs.path)
         elif inputs is None or isinstance(inputs, RandomTokens):
@@ -204,7 +215,11 @@ def _run_mode(reference: SideSpec, candidate: SideSpec | None, inputs: Any, opti
         )
     ref_model = _build("reference", reference)
     cand_model = _build("candidate", candidate)
+    if isinstance(ref_model, OnnxModel):
+        raise InputError("the reference must be a PyTorch model; an ONNX Runtime model can only be the candidate")
     concrete, made = inputs_for(ref_model, options.reference_hooks, inputs)
+    if isinstance(cand_model, OnnxModel):
+        return _onnx_report(ref_model, cand_model, concrete, made, options)
     report = diff(
         ref_model,
         cand_model,
@@ -219,6 +234,17 @@ def _run_mode(reference: SideSpec, candidate: SideSpec | None, inputs: Any, opti
         baseline_dtype=options.baseline_dtype,
         **common,
     )
+    if made is not None:
+        report.notes.insert(0, f"inputs: {made}")
+    return report
+
+
+def _onnx_report(ref_model: nn.Module, cand_model: OnnxModel, inputs: Inputs, made: str | None, options: Options) -> Report:
+    """:func:`run` for an ONNX Runtime candidate (:func:`~blockdiff.onnxside.diff_onnx`)."""
+    if options.save_dumps is not None or options.stream or options.rank:
+        raise InputError("--save-dumps, --stream and --rank are not supported with an ONNX Runtime candidate")
+    report = diff_onnx(ref_model, cand_model, inputs, tolerance=options.tolerance,
+                       reference_hooks=options.reference_hooks, fast_path=options.fast_path, labels=options.labels)
     if made is not None:
         report.notes.insert(0, f"inputs: {made}")
     return report

@@ -246,7 +246,8 @@ def _import_file(path: Path, spec: str):
 
 
 def build_model(spec: str, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Call the spec's factory and place the model on ``device`` in ``dtype``, eval mode.
+    """Call the spec's factory and place the model on ``device`` in ``dtype``, eval mode
+    (an ONNX Runtime model, :class:`~blockdiff.onnxside.OnnxModel`, comes back as it is).
 
     Raises:
         ModelSpecError: the factory raised or returned something other than an ``nn.Module``.
@@ -260,9 +261,14 @@ def build_model(spec: str, *, device: torch.device, dtype: torch.dtype) -> nn.Mo
         raise ModelSpecError(
             f"model spec {spec!r}: the factory raised {type(exc).__name__}: {exc}", spec=spec
         ) from exc
+    from .onnxside import OnnxModel
+
+    if isinstance(model, OnnxModel):
+        return model  # ONNX Runtime runs it as it was exported: nothing to place
     if not isinstance(model, nn.Module):
         raise ModelSpecError(
-            f"model spec {spec!r}: the factory returned a {type(model).__name__}, expected a torch nn.Module",
+            f"model spec {spec!r}: the factory returned a {type(model).__name__}, expected a torch nn.Module "
+            "(or, for a candidate, a blockdiff.onnxside.OnnxModel)",
             spec=spec,
         )
     return place(model, device=device, dtype=dtype).eval()

@@ -26,11 +26,25 @@ hostile-file probe the reader runs first).
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from .format import FORMAT, SCHEMA_VERSION
 # docs/dump-format.md names ``blockdiff.dump._metadata_digest`` the reference implementation.
 from .format import _metadata_digest  # noqa: F401
 from .probe import probe_file
-from .reader import DumpReader, VerifySummary
-from .writer import DumpWriter
+
+# The reader and writer import torch: loaded on first access (PEP 562), so that
+# :mod:`blockdiff.dumpfile`, the writer for other runtimes, uses the format without torch.
+_LAZY = {"DumpReader": ".reader", "VerifySummary": ".reader", "DumpWriter": ".writer"}
 
 __all__ = ["DumpWriter", "DumpReader", "VerifySummary", "FORMAT", "SCHEMA_VERSION", "probe_file"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

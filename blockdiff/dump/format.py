@@ -3,14 +3,17 @@
 Format name and schema version, the file attributes the writer owns, how each torch dtype
 is stored (as itself or as raw bits), the tensor checksums of each schema, how attributes
 are written and read back through h5py's low-level API, and the metadata digest over
-every attribute and link. :mod:`.writer` and :mod:`.reader` build on it; the format is
-documented in ``docs/dump-format.md``.
+every attribute and link. :mod:`.writer` and :mod:`.reader` build on it, and so does
+:mod:`blockdiff.dumpfile` (the writer for other runtimes): this module imports no torch
+(the tables keyed by torch dtypes are built on first use); the format is documented in
+``docs/dump-format.md``.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +21,8 @@ from typing import Any
 import google_crc32c
 import h5py
 import numpy as np
-import torch
+
+from ..errors import DumpError
 
 FORMAT = "blockdiff.dump"
 # 2: CRC-32C checksums (``crc32c``); 1 (blockdiff 0.1): zlib CRC-32 (``crc32``), still read.
@@ -38,31 +42,36 @@ STANDARD_ATTRIBUTES = (
 # Written after everything else, so they are outside what the metadata digest covers.
 _UNDIGESTED = ("metadata_digest", "complete")
 
-# torch dtypes numpy holds natively; every other dtype is stored as raw bits.
-_NUMPY_NATIVE = {
-    torch.bool: np.bool_,
-    torch.uint8: np.uint8,
-    torch.int8: np.int8,
-    torch.int16: np.int16,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-    torch.uint16: np.uint16,
-    torch.uint32: np.uint32,
-    torch.uint64: np.uint64,
-    torch.float16: np.float16,
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.complex64: np.complex64,
-    torch.complex128: np.complex128,
-}
-# Raw bits: a signed torch view (what .numpy() supports everywhere) and the unsigned
-# numpy type stored in the file, by element size in bytes.
-_RAW_BITS = {
-    1: (torch.int8, np.uint8, np.int8),
-    2: (torch.int16, np.uint16, np.int16),
-    4: (torch.int32, np.uint32, np.int32),
-    8: (torch.int64, np.uint64, np.int64),
-}
+# torch dtype names numpy holds natively (a torch dtype's name is numpy's); every other
+# dtype is stored as raw bits, an unsigned integer of its element size.
+NUMPY_NATIVE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+)
+RAW_BITS_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _torch_tables() -> dict[str, Any]:
+    """``_NUMPY_NATIVE`` (torch dtype → numpy type) and ``_RAW_BITS`` (element size →
+    a signed torch view, the unsigned numpy type stored, its signed numpy twin)."""
+    import torch
+
+    return {
+        "_NUMPY_NATIVE": {getattr(torch, name): np.dtype(name).type for name in NUMPY_NATIVE_NAMES},
+        "_RAW_BITS": {
+            size: (getattr(torch, f"int{8 * size}"), unsigned, np.dtype(f"int{8 * size}").type)
+            for size, unsigned in RAW_BITS_UNSIGNED.items()
+        },
+    }
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the torch tables exist once the writer or reader (which import torch) asks.
+    if name in ("_NUMPY_NATIVE", "_RAW_BITS"):
+        tables = _torch_tables()
+        globals().update(tables)
+        return tables[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _byte_view(arr: np.ndarray) -> np.ndarray:
@@ -181,6 +190,26 @@ def _raw_attr(obj: h5py.HLObject, name: str) -> Any:
 def _attr(obj: h5py.HLObject, name: str) -> Any:
     """An attribute as a Python value (str, int, float, bool)."""
     return _decode_attr(_raw_attr(obj, name))
+
+
+def _encode_meta(key: str, value: Any) -> tuple[Any, bool]:
+    """A meta value as stored: ``(value, is_json)``; str, int (int64), float and bool as
+    themselves, anything else JSON-serializable as a JSON string."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, str) and "\0" not in value:
+        return value, False
+    if isinstance(value, (bool, float)):
+        return value, False
+    if isinstance(value, int) and -(2**63) <= value < 2**63:
+        return value, False
+    try:
+        return json.dumps(value, sort_keys=False), True
+    except (TypeError, ValueError) as exc:
+        raise DumpError(
+            f"meta[{key!r}] cannot be stored in a dump: expected str, int, float, bool or "
+            f"JSON-serializable lists/dicts, got {type(value).__name__} ({exc})"
+        ) from exc
 
 
 def _decode_attr(value: Any) -> Any:

@@ -30,6 +30,7 @@ from .format import (
     STANDARD_ATTRIBUTES,
     _crc32c,
     _digest,
+    _encode_meta,
     _Object,
     _set_attr,
 )
@@ -61,23 +62,9 @@ def _blockdiff_version() -> str:
 
 def _encode_attr(key: str, value: Any) -> tuple[Any, bool]:
     """A meta value as stored: ``(value, is_json)``."""
-    if isinstance(value, np.generic):
-        value = value.item()
     if isinstance(value, (torch.dtype, torch.device)):
         value = dtype_name(value) if isinstance(value, torch.dtype) else str(value)
-    if isinstance(value, str) and "\0" not in value:
-        return value, False
-    if isinstance(value, (bool, float)):
-        return value, False
-    if isinstance(value, int) and -(2**63) <= value < 2**63:
-        return value, False
-    try:
-        return json.dumps(value, sort_keys=False), True
-    except (TypeError, ValueError) as exc:
-        raise DumpError(
-            f"meta[{key!r}] cannot be stored in a dump: expected str, int, float, bool or "
-            f"JSON-serializable lists/dicts, got {type(value).__name__} ({exc})"
-        ) from exc
+    return _encode_meta(key, value)
 
 
 # ---------------------------------------------------------------------------------------

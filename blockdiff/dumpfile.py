@@ -1,0 +1,429 @@
+"""A candidate dump written by another runtime: the bridge from JAX, ONNX Runtime, llama.cpp...
+
+A script in another framework runs the same model on the reference's inputs and writes
+what each of the reference's sites computed, site by site, into a dump of the documented
+format (``docs/dump-format.md``, schema 3). ``blockdiff diff ref.h5 foreign.h5`` then
+compares it offline: drift at every site, against the drift floors the reference stored
+(``blockdiff capture --floors``) when there are some for the candidate's precision, and
+says where the candidate first diverges.
+
+Only numpy, h5py and google-crc32c (the dump's own dependencies) are imported: no torch.
+Site names come from the reference dump (:func:`reference_sites`), inputs too
+(:func:`reference_inputs`), so the foreign script needs nothing but the reference's file:
+
+>>> from blockdiff.dumpfile import ForeignDumpWriter, reference_inputs, reference_sites
+>>> ids = reference_inputs("ref.h5")                                  # doctest: +SKIP
+>>> with ForeignDumpWriter("jax.h5", reference="ref.h5", runtime="jax 0.10") as w:
+...     w.add_inputs(ids)                                            # doctest: +SKIP
+...     w.add("embed", embedded)                                     # doctest: +SKIP
+...     w.add("blocks.0.attn_norm", normed)                          # doctest: +SKIP
+...     ...
+
+Every site of the reference must be written (pairing is by stage, block, sub-path and
+ordinal, and the comparison needs both sides of each); :meth:`ForeignDumpWriter.close`
+names the ones missing. Arrays are any numpy arrays (``np.asarray`` of a JAX array, an
+ONNX Runtime output); ``ml_dtypes`` bfloat16 and float8 arrays are stored as raw bits,
+as blockdiff stores them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import h5py
+import numpy as np
+
+from ._version import __version__
+from .dump.format import (
+    FORMAT,
+    NUMPY_NATIVE_NAMES,
+    RAW_BITS_UNSIGNED,
+    STANDARD_ATTRIBUTES,
+    _attr,
+    _crc32c,
+    _digest,
+    _encode_meta,
+    _Object,
+    _set_attr,
+)
+from .errors import DumpError
+
+# The layout this module writes: schema 3 of docs/dump-format.md. Pinned, not the
+# package's newest schema: a reader reads every older schema, and this writer's layout
+# does not change when the native writer's does.
+WRITES_SCHEMA = 3
+# Dtypes stored as raw bits, by the name numpy (ml_dtypes) and torch both give them.
+_RAW_BITS_NAMES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+_LIBVER = ("v110", "v110")
+
+
+@dataclass(frozen=True)
+class ReferenceSite:
+    """One site of the reference dump: what a foreign writer must write under ``module``.
+
+    Attributes:
+        stage, block, subpath, module, call, ordinal, order: as in the dump (``block`` is
+            ``-1`` outside the blocks, ``subpath`` ``""`` for a block's own call).
+        outputs: the shape of each tensor of the output structure, in order (a module
+            returning ``(cos, sin)`` has two).
+    """
+
+    stage: str
+    block: int
+    subpath: str
+    module: str
+    call: int
+    ordinal: int
+    order: int
+    outputs: tuple[tuple[int, ...], ...]
+
+    @property
+    def label(self) -> str:
+        where = f"block {self.block} {self.subpath}".rstrip() if self.block >= 0 else self.stage
+        return f"{where} ({self.module}{f', call {self.call}' if self.call else ''})"
+
+
+def _open_reference(path: str | os.PathLike) -> h5py.File:
+    path = Path(path)
+    if not path.exists():
+        raise DumpError(f"{path}: no such file", path=str(path))
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise DumpError(f"{path} cannot be opened as HDF5: {exc}", path=str(path)) from exc
+    try:
+        found = _attr(f, "format") if "format" in f.attrs else None
+    except (ValueError, OSError):
+        found = None
+    if found != FORMAT or "sites" not in f:
+        f.close()
+        raise DumpError(f"{path} is not a blockdiff dump", path=str(path))
+    return f
+
+
+def _tensor_refs(node: Any) -> Iterator[str]:
+    """The dataset names a structure node mentions, in order."""
+    if not isinstance(node, dict):
+        return
+    if node.get("type") == "tensor":
+        yield str(node["ref"])
+    for item in node.get("items", ()):
+        for part in item if isinstance(item, list) else [item]:
+            yield from _tensor_refs(part)
+
+
+def reference_sites(path: str | os.PathLike) -> list[ReferenceSite]:
+    """Every site of the reference dump ``path``, in execution order.
+
+    Read with plain h5py (the file's checksums are checked when ``blockdiff diff`` reads
+    it). Raises :class:`~blockdiff.errors.DumpError` for a file that is not a dump.
+    """
+    with _open_reference(path) as f:
+        found = []
+        for group in f["sites"].values():
+            structure = json.loads(_attr(group, "structure"))
+            shapes = tuple(
+                tuple(json.loads(_attr(group[ref], "shape"))) for ref in _tensor_refs(structure["output"])
+            )
+            text = {key: str(_attr(group, key)) for key in ("stage", "subpath", "module")}
+            number = {key: int(_attr(group, key)) for key in ("block", "call", "ordinal", "order")}
+            found.append(ReferenceSite(**text, **number, outputs=shapes))
+    return sorted(found, key=lambda s: s.order)
+
+
+def reference_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The reference dump's file attributes (its JSON ones parsed: ``layout``, ``versions``)."""
+    with _open_reference(path) as f:
+        meta = {name: _attr(f, name) for name in f.attrs}
+    for key in json.loads(meta.get("json_attributes", "[]")):
+        meta[key] = json.loads(meta[key])
+    return meta
+
+
+def reference_inputs(path: str | os.PathLike) -> Any:
+    """The model inputs the reference ran on (token ids as an int64 array; a tuple or dict
+    of them when the model took several), or ``None`` when the dump has none."""
+    with _open_reference(path) as f:
+        if "inputs" not in f:
+            return None
+        group = f["inputs"]
+        return _decode(json.loads(_attr(group, "structure")), group)
+
+
+def _decode(node: dict[str, Any], group: h5py.Group) -> Any:
+    kind = node["type"]
+    if kind == "tensor":
+        dset = group[node["ref"]]
+        arr = dset[()]
+        shape = json.loads(_attr(dset, "shape"))
+        return arr.reshape(shape)  # raw-bits dtypes come back as their unsigned bits
+    if kind in ("bool", "int", "str"):
+        return node["value"]
+    if kind == "float":
+        return float(node["value"])
+    if kind in ("tuple", "list"):
+        items = [_decode(item, group) for item in node["items"]]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict":
+        return {_decode(k, group): _decode(v, group) for k, v in node["items"]}
+    return None  # none, and what only torch knows (dtype, device, opaque)
+
+
+def _stored(arr: np.ndarray) -> tuple[np.ndarray, str]:
+    """An array as a dump stores it, and the torch dtype name it stands for."""
+    name = arr.dtype.name
+    if name in NUMPY_NATIVE_NAMES:
+        stored = arr
+    elif name in _RAW_BITS_NAMES:
+        stored = arr.view(RAW_BITS_UNSIGNED[arr.dtype.itemsize])
+    else:
+        raise DumpError(
+            f"cannot store a {name} array: a dump holds {', '.join(NUMPY_NATIVE_NAMES)} and, as raw bits, "
+            f"{', '.join(_RAW_BITS_NAMES)} (ml_dtypes)"
+        )
+    # C order, little-endian; a 0-dim array as (1,): HDF5 cannot chunk a scalar dataset.
+    stored = np.ascontiguousarray(stored, dtype=stored.dtype.newbyteorder("<"))
+    return (stored.reshape(1) if stored.ndim == 0 else stored), name
+
+
+class _Structure:
+    """Writes the arrays of one structure as datasets ``t0``, ``t1``, ... of a group."""
+
+    def __init__(self, group: h5py.Group, path: str, objects: dict[str, _Object]) -> None:
+        self.group, self.path, self.objects = group, path, objects
+        self.count = 0
+        self.shapes: list[tuple[int, ...]] = []
+        self.dtypes: list[str] = []
+
+    def node(self, obj: Any) -> dict[str, Any]:
+        if obj is None:
+            return {"type": "none"}
+        if isinstance(obj, (bool, np.bool_)):
+            return {"type": "bool", "value": bool(obj)}
+        if isinstance(obj, (int, np.integer)):
+            return {"type": "int", "value": int(obj)}
+        if isinstance(obj, (float, np.floating)):
+            return {"type": "float", "value": repr(float(obj))}
+        if isinstance(obj, str):
+            return {"type": "str", "value": obj}
+        if isinstance(obj, (tuple, list)):
+            return {"type": "tuple" if isinstance(obj, tuple) else "list", "items": [self.node(v) for v in obj]}
+        if isinstance(obj, dict):
+            return {"type": "dict", "items": [[self.node(k), self.node(v)] for k, v in obj.items()]}
+        return {"type": "tensor", "ref": self.array(np.asarray(obj))}
+
+    def array(self, arr: np.ndarray) -> str:
+        name = f"t{self.count}"
+        self.count += 1
+        stored, dtype = _stored(arr)
+        dset = self.group.create_dataset(name, data=stored, chunks=stored.shape if stored.size else True)
+        attrs = {
+            "torch_dtype": _set_attr(dset.id, "torch_dtype", dtype),
+            "shape": _set_attr(dset.id, "shape", json.dumps(list(arr.shape))),
+            "crc32c": _set_attr(dset.id, "crc32c", _crc32c(stored)),
+        }
+        self.objects[f"{self.path}/{name}"] = _Object("dataset", attrs, dset.dtype.str, dset.shape)
+        self.shapes.append(tuple(arr.shape))
+        self.dtypes.append(dtype)
+        return name
+
+
+class ForeignDumpWriter:
+    """Writes a candidate dump site by site from another runtime's arrays.
+
+    Each :meth:`add` names a module of the reference (its path in the reference's hook
+    map, as :func:`reference_sites` lists them) and gives what the foreign runtime
+    computed there; the site's stage, block, sub-path and ordering come from the
+    reference, and so do the hook map and layout the file records. The file is written
+    under a temporary name and renamed on a clean :meth:`close`, which checks that every
+    reference site was written.
+
+    Args:
+        path: where the dump goes (replaced if it exists).
+        reference: the reference dump (``blockdiff capture MODEL --out ref.h5``).
+        runtime: what produced the arrays, for the report (``"jax 0.10.2 cpu"``).
+        dtype: the precision the runtime computed in (``"bfloat16"``): picks the stored
+            drift floors the comparison is judged with. Default: the dtype of the first
+            floating output written.
+        device: the torch name of the device class it ran on (``"cpu"``, ``"cuda"``): with
+            ``dtype``, which of the reference's stored floors apply.
+        meta: more attributes to record (str, int, float, bool, or JSON-serializable).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        reference: str | os.PathLike,
+        runtime: str = "foreign",
+        dtype: str | None = None,
+        device: str = "cpu",
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.reference = Path(reference)
+        self.expected = {(s.module, s.call): s for s in reference_sites(self.reference)}
+        ref_meta = reference_meta(self.reference)
+        self.meta: dict[str, Any] = {
+            "model": runtime,
+            "class": f"{runtime} (foreign dump)",
+            "runtime": runtime,
+            "device": device,
+            "hook_map": ref_meta.get("hook_map", ""),
+            "layout": ref_meta.get("layout", {}),
+            "reference_dump": str(self.reference),
+            **(meta or {}),
+        }
+        self.dtype = dtype
+        for key in self.meta:
+            if key in STANDARD_ATTRIBUTES or key == "dtype":
+                raise DumpError(f"{self.path}: meta key {key!r} is set by the writer", path=str(self.path))
+            _encode_meta(key, self.meta[key])
+        self.written: set[tuple[str, int]] = set()
+        self._objects: dict[str, _Object] = {}
+        self.tmp_path = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        try:
+            self._file: h5py.File | None = h5py.File(self.tmp_path, "w", libver=_LIBVER)
+        except OSError as exc:
+            raise DumpError(f"{self.path}: cannot create the dump: {exc}", path=str(self.path)) from exc
+        self._sites = self._file.create_group("sites")
+        self._objects["sites"] = _Object("group", {})
+
+    def sites(self) -> list[ReferenceSite]:
+        """The reference's sites, in execution order; :attr:`written` says which are done."""
+        return sorted(self.expected.values(), key=lambda s: s.order)
+
+    def add(self, module: str, output: Any, *, call: int = 0, args: tuple = ()) -> None:
+        """Write what the foreign runtime computed at the reference's site ``module``.
+
+        Args:
+            module: the reference's module path (``"blocks.2.ffn"``).
+            output: an array, or a tuple/list/dict of them shaped like the reference's
+                output (``(cos, sin)``); each array must have the reference's shape.
+            call: which call of ``module`` within the forward (modules called once: 0).
+            args: the call's inputs, optional (the comparison judges outputs).
+        """
+        f = self._open()
+        site = self.expected.get((module, call))
+        if site is None:
+            near = ", ".join(sorted({m for m, _ in self.expected})[:8])
+            raise DumpError(f"{self.path}: {module!r} (call {call}) is not a site of {self.reference} (sites: {near}, ...)")
+        if (module, call) in self.written:
+            raise DumpError(f"{self.path}: {site.label} was already written")
+        name = f"{len(self.written):06d}"
+        path = f"sites/{name}"
+        group = f["sites"].create_group(name)
+        try:
+            attrs = {
+                key: _set_attr(group, key, getattr(site, key))
+                for key in ("stage", "block", "subpath", "module", "call", "ordinal", "order")
+            }
+            structure = _Structure(group, path, self._objects)
+            nodes = {"args": structure.node(tuple(args)), "kwargs": {"type": "dict", "items": []}}
+            arguments = len(structure.shapes)
+            nodes["output"] = structure.node(output)
+            shapes = tuple(structure.shapes[arguments:])
+            if shapes != site.outputs:
+                raise DumpError(
+                    f"{self.path}: {site.label}: output has shape{'s' if len(shapes) != 1 else ''} "
+                    f"{_shapes(shapes)}, the reference's {_shapes(site.outputs)}"
+                )
+            attrs["structure"] = _set_attr(group, "structure", json.dumps(nodes))
+        except BaseException:
+            del f["sites"][name]
+            for key in [k for k in self._objects if k == path or k.startswith(path + "/")]:
+                del self._objects[key]
+            raise
+        self._objects[path] = _Object("group", attrs)
+        self.written.add((module, call))
+        if self.dtype is None:
+            self.dtype = next((d for d in structure.dtypes[arguments:] if "float" in d), None)
+
+    def add_inputs(self, inputs: Any) -> None:
+        """Record the model inputs the runtime ran on (what :func:`reference_inputs` gave):
+        the comparison refuses a dump captured on other inputs."""
+        f = self._open()
+        if "inputs" in f:
+            raise DumpError(f"{self.path}: the inputs were already recorded")
+        group = f.create_group("inputs")
+        attrs: dict[str, Any] = {}
+        structure = _Structure(group, "inputs", self._objects)
+        attrs["structure"] = _set_attr(group, "structure", json.dumps(structure.node(inputs)))
+        self._objects["inputs"] = _Object("group", attrs)
+
+    def missing(self) -> list[ReferenceSite]:
+        """The reference's sites not written yet, in execution order."""
+        return [s for s in self.sites() if (s.module, s.call) not in self.written]
+
+    def close(self) -> None:
+        """Check every site was written, write the file attributes, the metadata digest and
+        ``complete`` last, and rename the file to its path. Missing sites: a
+        :class:`~blockdiff.errors.DumpError` naming them, and no file."""
+        f = self._open()
+        try:
+            missing = self.missing()
+            if missing:
+                names = ", ".join(s.label for s in missing[:6])
+                raise DumpError(
+                    f"{self.path}: {len(missing)} site{'s' if len(missing) > 1 else ''} of the reference "
+                    f"{'were' if len(missing) > 1 else 'was'} not written: {names}{', ...' if len(missing) > 6 else ''} "
+                    "(the comparison pairs every site; write each, see reference_sites())",
+                    path=str(self.path),
+                )
+            root = {
+                "format": FORMAT,
+                "schema_version": WRITES_SCHEMA,
+                "blockdiff_version": str(__version__),
+                "torch_version": "",  # no torch wrote this file; `runtime` says what did
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+            json_keys = []
+            for key, value in {**self.meta, "dtype": self.dtype or "float32"}.items():
+                root[key], is_json = _encode_meta(key, value)
+                if is_json:
+                    json_keys.append(key)
+            root["json_attributes"] = json.dumps(json_keys)
+            stored = {key: _set_attr(f, key, value) for key, value in root.items()}
+            _set_attr(f, "metadata_digest", _digest(stored, self._objects))
+            _set_attr(f, "complete", True)
+            f.close()
+            self._file = None
+            os.replace(self.tmp_path, self.path)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Discard the dump: nothing is left at ``path``, nor the temporary file."""
+        f, self._file = self._file, None
+        if f is not None:
+            f.close()
+        if self.tmp_path.exists():
+            os.remove(self.tmp_path)
+
+    def _open(self) -> h5py.File:
+        if self._file is None:
+            raise DumpError(f"{self.path}: the writer is closed", path=str(self.path))
+        return self._file
+
+    def __enter__(self) -> "ForeignDumpWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+
+def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
+    return ", ".join(str(list(s)) for s in shapes) if shapes else "none"
+
+
+__all__ = ["ForeignDumpWriter", "ReferenceSite", "reference_sites", "reference_inputs", "reference_meta", "WRITES_SCHEMA"]
