@@ -61,10 +61,16 @@ def _fail(message: str, exc: BaseException | None = None, *, hint: str | None = 
         message += " (add --debug for the traceback)"
     if not _announced(message):
         sys.exit(EXIT_ERROR)
-    click.echo(f"Error: {_ranked(message)}", err=True)
+    click.echo(f"Error: {_ranked(message)}", file=_errors())
     if hint:
-        click.echo(hint, err=True)
+        click.echo(hint, file=_errors())
     sys.exit(EXIT_ERROR)
+
+
+def _errors() -> Any:
+    """Where errors go: stderr (a rank of a launched run other than 0 keeps it for its
+    errors alone)."""
+    return _state.get("stderr") or sys.stderr
 
 
 def _ranked(message: str) -> str:
@@ -622,9 +628,10 @@ def _one_rank(argv: list[str] | None) -> None:
     except Exception as exc:
         _fail(f"cannot join the launched run ({type(exc).__name__}: {exc})", exc)
     watch = _state["watch"] = distributed.FailureWatch(code=EXIT_ERROR)
-    stdout = sys.stdout
-    if watch.rank != 0:
-        sys.stdout = open(os.devnull, "w")
+    stdout, stderr = sys.stdout, sys.stderr
+    if watch.rank != 0:  # silent but for its own failure (_errors)
+        _state["stderr"] = stderr
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     code: Any = 0
     try:
         _main(argv)
@@ -633,7 +640,7 @@ def _one_rank(argv: list[str] | None) -> None:
     finally:
         if sys.stdout is not stdout:
             sys.stdout.close()
-            sys.stdout = stdout
+            sys.stdout, sys.stderr = stdout, stderr
     watch.stop()
     if code in (0, EXIT_DIVERGED, None):
         distributed.finish()
@@ -672,7 +679,7 @@ def _internal_error(exc: BaseException) -> None:
 
     text = "".join(traceback.format_exception(exc))
     if _state["debug"]:
-        click.echo(text, err=True, nl=False)
+        click.echo(text, file=_errors(), nl=False)
     saved = ""
     try:
         with tempfile.NamedTemporaryFile("w", prefix="blockdiff-traceback-", suffix=".txt", delete=False) as out:
@@ -685,7 +692,7 @@ def _internal_error(exc: BaseException) -> None:
         "please report it, or re-run with --debug)"
     )
     if _announced(message):
-        click.echo(_ranked(message), err=True)
+        click.echo(_ranked(message), file=_errors())
     sys.exit(EXIT_INTERNAL)
 
 
