@@ -273,15 +273,16 @@ def _wrap_output(module: nn.Module, name: str, change) -> None:
 
 
 def _router_bug_output(out):
-    """A router whose weights are misplaced: ``topk`` — the chosen experts listed in
-    reverse, their weights not (a porting bug); ``dense`` — every chosen expert weighted 1/k
+    """A router whose weights are wrong: ``topk`` — each chosen expert's weight divided
+    by k (a mean where the model sums; PhiMoE weighs each chosen expert 1, so reordering
+    would not show); ``dense`` — every chosen expert weighted 1/k
     (Llama 4's sigmoid or NLLB's renormalized probabilities dropped); ``logits`` — the
     logits halved (a temperature applied twice)."""
     if isinstance(out, torch.Tensor):
         return out * 0.5
     if len(out) == 3 and not out[2].is_floating_point():
         logits, weights, indices = out
-        return logits, weights, indices.flip(-1)
+        return logits, weights / indices.shape[-1], indices
     *rest, weights, logits = out
     chosen = (weights != 0).to(weights.dtype)
     return (*rest, chosen / chosen.sum(-1, keepdim=True), logits)
@@ -299,3 +300,73 @@ def experts_bug(*, family: str = "deepseek_v3", block: int = FAMILY_BLOCK) -> nn
     model = build_family(family)
     _wrap_output(moe_module(model, block).experts, "Rescaled", lambda out: out * 1.25)
     return model
+
+
+def correction_bias_dropped(*, family: str = "deepseek_v3", block: int = FAMILY_BLOCK) -> nn.Module:
+    """DeepSeek-V3 / GLM-4-MoE with the router's expert-score correction bias left at zero
+    (a buffer a checkpoint conversion did not carry): logits and weights of the tokens
+    whose experts agree are unchanged, other tokens pick other experts."""
+    model = build_family(family)
+    _router_of(moe_module(model, block)).e_score_correction_bias.zero_()
+    return model
+
+
+# bug → (families it applies to, part of the ffn blamed)
+FAMILY_BUGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "router_bug": (FAMILIES, "router"),
+    "experts_bug": (FAMILIES, "experts"),
+    "correction_bias_dropped": (("deepseek_v3", "glm4_moe"), "router"),
+}
+
+
+# Factories for the command line (``blockdiff arch samples/hf_moe.py:build_deepseek_v3``).
+def build_qwen3_next() -> nn.Module:
+    return build_family("qwen3_next")
+
+
+def build_deepseek_v2() -> nn.Module:
+    return build_family("deepseek_v2")
+
+
+def build_deepseek_v3() -> nn.Module:
+    return build_family("deepseek_v3")
+
+
+def build_gpt_oss() -> nn.Module:
+    return build_family("gpt_oss")
+
+
+def build_llama4() -> nn.Module:
+    return build_family("llama4")
+
+
+def build_olmoe() -> nn.Module:
+    return build_family("olmoe")
+
+
+def build_glm4_moe() -> nn.Module:
+    return build_family("glm4_moe")
+
+
+def build_granitemoe() -> nn.Module:
+    return build_family("granitemoe")
+
+
+def build_dbrx() -> nn.Module:
+    return build_family("dbrx")
+
+
+def build_phimoe() -> nn.Module:
+    return build_family("phimoe")
+
+
+def build_jamba() -> nn.Module:
+    return build_family("jamba")
+
+
+def build_nllb_moe() -> nn.Module:
+    return build_family("nllb_moe")
+
+
+def deepseek_v3_correction_bias_dropped() -> nn.Module:
+    return correction_bias_dropped(family="deepseek_v3")
