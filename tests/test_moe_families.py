@@ -101,6 +101,23 @@ def test_a_dropped_correction_bias_flips_tokens_the_floor_does_not():
     assert flips["unexplained"] > 0 and flips["reproduced_by_floor"] < flips["flipped"]
 
 
+MIXERS = {
+    "mamba": ["backbone.layers.{}.mixer"] * 3,
+    "mamba2": ["backbone.layers.{}.mixer"] * 3,  # its gated norm inside does not hide it
+    "lfm2": ["model.layers.{}.conv", "model.layers.{}.self_attn", "model.layers.{}.conv"],
+    "jamba": ["model.layers.{}.mamba", "model.layers.{}.self_attn"] * 2,  # two layer classes
+    "qwen3_next": ["model.layers.{}.linear_attn", "model.layers.{}.self_attn", "model.layers.{}.linear_attn"],
+}
+
+
+@pytest.mark.parametrize("family", hf_ssm.FAMILIES)
+def test_token_mixers_are_the_attention_sub_path(family):
+    layout = blockdiff.resolve(reference(family))
+    assert layout.hook_map.source == "auto-detected"
+    assert [b.subpaths["attention"] for b in layout.blocks] == [[p.format(i)] for i, p in enumerate(MIXERS[family])]
+    assert not [p for b in layout.blocks for p in b.unmapped]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("family", hf_ssm.FAMILIES)
 def test_planted_token_mixer_bug_is_blamed_on_the_token_mixer(family, dtype):
