@@ -5,6 +5,7 @@ exactly in float32 and bfloat16, clean bfloat16 on 128 tokens blaming nothing.""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +164,25 @@ def test_a_dropped_correction_bias_through_the_cli(capsys):
     code, out, err = run_cli(args, capsys)
     assert code == 1
     assert "block 1" in out and "ffn" in out and "router" in out
+
+
+def test_a_dense_router_output_reads_a_zero_weight_as_a_dropped_assignment():
+    from blockdiff.moe import decision
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 3.0, 1.0, 0.0]])
+    weights = torch.tensor([[0.7, 0.3, 0.0, 0.0], [0.0, 0.8, 0.0, 0.0]])  # token 1's second choice dropped
+    read = decision((weights, logits), "dense")
+    assert read.routing.indices.tolist() == [[0, 1], [1, 2]]
+    assert read.routing.kept.tolist() == [[True, True], [True, False]]
+    assert read.weights.flatten().tolist() == pytest.approx([0.7, 0.3, 0.8, 0.0])
+
+
+def test_a_logits_router_needs_its_experts_per_token_in_the_map():
+    from blockdiff import hookmap
+    from blockdiff.errors import HookMapError
+
+    text = (Path(__file__).parent.parent / "hooks" / "dbrx.toml").read_text()
+    with pytest.raises(HookMapError, match="format 'logits' needs top_k"):
+        hookmap.parse(text.replace('top_k = "top_k"', ""), source="x.toml")
+    with pytest.raises(HookMapError, match="top_k 'moe_top_k' of DbrxFFN is None, expected a positive int"):
+        blockdiff.resolve(reference("dbrx"), hookmap.parse(text.replace('top_k = "top_k"', 'top_k = "moe_top_k"'), source="x.toml"))
