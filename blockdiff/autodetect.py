@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,13 +68,20 @@ def _block_lists(model: nn.Module) -> list[str]:
     encoder-decoder). Lists inside another
     list's elements (MoE experts) and lists of parameterless modules are not candidates."""
     found: list[tuple[str, type, int]] = []
+    mixed: list[tuple[str, type, int]] = []
     for path, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             children = list(module.children())
+            if len(children) < 2 or not _has_parameters(module):
+                continue
             # One class; a subclass counts as its base (a block patched with a bug).
             bases = [c for c in {type(m) for m in children} if all(isinstance(m, c) for m in children)]
-            if len(children) >= 2 and bases and _has_parameters(module):
+            if bases:
                 found.append((path, bases[0], len(children)))
+            elif _layer_kinds(children):
+                mixed.append((path, nn.Module, len(children)))
+    if not found:
+        found = mixed  # a hybrid stack (Jamba: attention and Mamba layers interleaved)
 
     def nested(path: str) -> bool:
         return any(other != path and (other == "" or path.startswith(other + ".")) for other, _, _ in found)
@@ -83,6 +91,20 @@ def _block_lists(model: nn.Module) -> list[str]:
         return []
     _, cls, _ = max(top, key=lambda entry: entry[2])  # the first of the longest on a tie
     return [path for path, other, _ in top if _stack_family(other) == _stack_family(cls)]
+
+
+def _layer_kinds(children: list[nn.Module]) -> bool:
+    """Whether a list of modules of several classes is a hybrid stack of layers: every
+    child holds parameters and its class name ends in ``Layer`` or ``Block``, the classes
+    sharing one name prefix (``JambaAttentionDecoderLayer``, ``JambaMambaDecoderLayer``)."""
+    names = [type(c).__name__ for c in children]
+    if not all(n.endswith(("Layer", "Block")) and _has_parameters(c) for n, c in zip(names, children)):
+        return False
+    prefix = names[0]
+    for name in names[1:]:
+        while not name.startswith(prefix):
+            prefix = prefix[:-1]
+    return len(prefix) >= 3
 
 
 def _stack_family(cls: type) -> str:
@@ -107,14 +129,18 @@ def _classify_block(block: nn.Module, opened: set[str], probed: dict[tuple[str, 
             if role is not None:
                 found[rel] = role
                 continue
-            before = len(found)
+            before = set(found)
             visit(rel + ".", child)
-            if rel in opened or len(found) > before or not _has_parameters(child):
+            inner = [p for p in found if p not in before]
+            # Norms alone inside (Mamba2's gated norm) do not make a module recognised.
+            if rel in opened or any(found[p] != "norm" for p in inner) or not _has_parameters(child):
                 continue
             key = (rel, type(child))
             if key not in probed:
                 probed[key] = _mixes_tokens(child)
             if probed[key]:
+                for p in inner:
+                    del found[p]
                 found[rel] = "attention"
 
     visit("", block)
@@ -260,6 +286,7 @@ def detect(model: nn.Module) -> HookMap:
             "nor one that mixes positions or projects to q/k/v",
             source=AUTO_DETECTED,
         )
+    moe = _routers(blocks, subpaths.get("ffn", []))
     # A module some blocks lack (cross-attention in an encoder block) is optional.
     optional = tuple(rel for rel, count in seen.items() if count < len(blocks))
 
@@ -309,7 +336,76 @@ def detect(model: nn.Module) -> HookMap:
         blocks=tuple(lists),
         subpaths={k: tuple(v) for k, v in subpaths.items()},
         description=f"guessed from the module tree of {cls_name}",
+        moe=moe,
     )
+
+
+# -- routers ---------------------------------------------------------------------------
+_ROUTER_WORDS = ("gate", "router")
+# Tokens of a router probe: more than any top-k, so that k < E shows.
+_ROUTER_PROBE_TOKENS = 8
+
+
+def _routers(blocks: list[nn.Module], ffns: list[str]) -> dict[str, Any]:
+    """The ``[blocks.moe]`` table of detected MoE blocks, or ``{}``.
+
+    A router is a module inside an ffn named or typed ``gate``/``router`` whose output,
+    run alone on ``[T, D]`` hidden states, reads as one of the router formats
+    (:func:`router_format`). Every router found must have the same format; blocks without
+    one (DeepSeek's dense first layers) are dense."""
+    routers: dict[str, str] = {}
+    for block in blocks:
+        modules = dict(block.named_modules())
+        for ffn in ffns:
+            for rel, module in modules.items():
+                if rel in routers or not rel.startswith(ffn + "."):
+                    continue
+                leaf, cls = rel.rsplit(".", 1)[-1].lower(), type(module).__name__.lower()
+                if not any(w in leaf or w in cls for w in _ROUTER_WORDS) or not _has_parameters(module):
+                    continue
+                fmt = router_format(module)
+                if fmt is not None:
+                    routers[rel] = fmt
+    formats = set(routers.values())
+    if len(formats) != 1:
+        return {}
+    return {"router": list(routers), "format": formats.pop()}
+
+
+def router_format(module: nn.Module) -> str | None:
+    """The format of a router's output, read from a probe on ``[T, D]`` hidden states
+    (``D`` the last dimension of its first 2-D parameter): ``topk`` for ``(logits [T, E],
+    weights [T, k], indices [T, k])``, ``dense`` for ``(.., weights [T, E] zero off the
+    chosen experts, logits [T, E])``; ``None`` for anything else (a dense gate
+    projection, a router whose output blockdiff cannot read)."""
+    weight = next((p for p in module.parameters() if p.dim() == 2), None)
+    if weight is None:
+        return None
+    x = torch.randn(_ROUTER_PROBE_TOKENS, weight.shape[-1], generator=torch.Generator().manual_seed(0))
+    with _quiet(module):
+        try:
+            out = module(x.to(weight.device, weight.dtype))
+        except Exception:  # the model's own code: any failure means "not a router we read"
+            return None
+    tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+    shapes = [tuple(t.shape) for t in tensors]
+    if len(tensors) < 2 or any(len(shape) != 2 or shape[0] != _ROUTER_PROBE_TOKENS for shape in shapes):
+        return None
+    experts = shapes[0][1]
+    if (
+        len(tensors) == 3
+        and tensors[0].is_floating_point()
+        and not tensors[2].is_floating_point()
+        and shapes[1] == shapes[2]
+        and 1 <= shapes[1][1] < experts
+    ):
+        return "topk"
+    weights, logits = tensors[-2], tensors[-1]
+    if weights.is_floating_point() and logits.is_floating_point() and shapes[-2] == shapes[-1]:
+        chosen = (weights != 0).sum(-1)
+        if bool((chosen >= 1).all()) and int(chosen.max()) < shapes[-1][1]:
+            return "dense"
+    return None
 
 
 def configured_vocab_size(model: nn.Module) -> int | None:

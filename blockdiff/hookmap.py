@@ -110,8 +110,9 @@ class HookMap:
     prefix: str = ""
     description: str = ""
     # [blocks.moe]: router paths (relative to a block; the first that exists is the
-    # router), router output format, and an optional capacity attribute path relative to
-    # the MoE module (the router's parent): an int, or a callable taking the token count.
+    # router), router output format, an optional capacity attribute path relative to
+    # the MoE module (the router's parent): an int, or a callable taking the token count,
+    # and (format "logits") the MoE module's attribute holding the experts per token.
     moe: dict[str, Any] = field(default_factory=dict)
     # [modules."PATH"]: options of modules the map names, by the path as written
     # (relative to a block for sub-path modules).
@@ -128,7 +129,8 @@ class BlockLayout:
     subpaths: dict[str, list[str]] = field(default_factory=dict)
     # Modules with parameters that no sub-path covers: their errors would pass for glue.
     unmapped: list[str] = field(default_factory=list)
-    # MoE blocks: {"router": full path, "format": "topk"|"switch", "capacity": full attr path}.
+    # MoE blocks: {"router": full path, "format": a router format, "capacity": full attr
+    # path, "top_k": experts per token as read from the model (format "logits")}.
     moe: dict[str, str] | None = None
 
 
@@ -301,13 +303,13 @@ def _parse_moe(raw: Any, source: str) -> dict[str, str]:
         raise HookMapError(f"hook map {source}: [blocks.moe] must be a table", source=source)
     if not raw:
         return {}
-    unknown = sorted(set(raw) - {"router", "format", "capacity"})
+    unknown = sorted(set(raw) - {"router", "format", "capacity", "top_k"})
     routers = raw.get("router")
     if isinstance(routers, str):
         routers = [routers]
     if unknown or not (isinstance(routers, list) and routers and all(isinstance(r, str) for r in routers)):
         raise HookMapError(
-            f"hook map {source}: [blocks.moe] takes router (a path or a list of paths), format and capacity"
+            f"hook map {source}: [blocks.moe] takes router (a path or a list of paths), format, capacity and top_k"
             + (f"; found {unknown[0]!r}" if unknown else "; router is missing"),
             source=source,
         )
@@ -320,6 +322,14 @@ def _parse_moe(raw: Any, source: str) -> dict[str, str]:
     out: dict[str, Any] = {"router": list(routers), "format": fmt}
     if "capacity" in raw:
         out["capacity"] = str(raw["capacity"])
+    if "top_k" in raw:
+        out["top_k"] = str(raw["top_k"])
+    elif fmt == "logits":
+        raise HookMapError(
+            f"hook map {source}: [blocks.moe] format 'logits' needs top_k, the MoE module's attribute "
+            "holding the experts per token (e.g. \"top_k\")",
+            source=source,
+        )
     return out
 
 
@@ -461,10 +471,26 @@ def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
                 layout.moe = {"router": router, "format": hook_map.moe["format"]}
                 if "capacity" in hook_map.moe:
                     layout.moe["capacity"] = f"{router.rpartition('.')[0]}.{hook_map.moe['capacity']}"
+                if "top_k" in hook_map.moe:
+                    layout.moe["top_k"] = str(_experts_per_token(modules, router, hook_map))
             blocks.append(layout)
     if not blocks:
         raise HookMapError(f"hook map {hook_map.name}: the block list is empty", source=hook_map.source)
     return Layout(hook_map=hook_map, outside=outside, blocks=blocks, modules=options)
+
+
+def _experts_per_token(modules: dict[str, nn.Module], router: str, hook_map: HookMap) -> int:
+    """The experts per token of a ``logits`` router, read from the MoE module (the
+    router's parent) where ``top_k`` names it: stored in the layout, so a dump has it."""
+    owner = modules[router.rpartition(".")[0]]
+    value = getattr(owner, hook_map.moe["top_k"], None)
+    if type(value) is not int or value < 1:
+        raise HookMapError(
+            f"hook map {hook_map.name}: [blocks.moe] top_k {hook_map.moe['top_k']!r} of {type(owner).__name__} "
+            f"is {value!r}, expected a positive int",
+            source=hook_map.source,
+        )
+    return value
 
 
 COMPILED = "_orig_mod"  # where torch.compile's OptimizedModule keeps the module it wraps

@@ -317,9 +317,14 @@ def render_layout(layout: Layout, label: str, console: Console | None = None) ->
                 cells.append(Text("(block glue)", style="dim"))
                 continue
             paths = block.subpaths.get(name, [])
-            cells.append(Text(", ".join(p.removeprefix(prefix) for p in paths) or "—"))
+            cell = Text(", ".join(p.removeprefix(prefix) for p in paths) or "—")
+            if name == "ffn" and block.moe is not None:
+                k = f", top-{block.moe['top_k']}" if "top_k" in block.moe else ""
+                cell.append(f"\nrouter {block.moe['router'].removeprefix(prefix)} ({block.moe['format']}{k})", style="cyan")
+            cells.append(cell)
         table.add_row(str(block.index), block.path, *cells)
     console.print(table)
+    console.print("  attention: each block's token mixer (attention, state space, convolution)", style="dim", highlight=False)
     unmapped = [p for b in layout.blocks for p in b.unmapped]
     warnings = []
     if unmapped:

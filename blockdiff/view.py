@@ -70,7 +70,8 @@ MOE_COLUMNS = ("block", "side", "entropy", "max load", "min load", "drops", "top
 MOE_COUNTS = (
     "top-k agree: tokens whose top-k experts are the same in both free-running models (drift "
     "included); flips: tokens whose top-k experts change when the candidate's router reads the "
-    "reference's input (unexplained: margin beyond the precision's logit noise)"
+    "reference's input (unexplained: margin beyond the precision's logit noise, and not a choice the "
+    "reference's router makes at the candidate's precision)"
 )
 
 

@@ -17,7 +17,7 @@ ModuleSubpath = Literal["attention", "ffn", "norm"]
 SiteSubpath = Literal["attention", "ffn", "norm", "router"]
 Policy = Literal["fixed", "calibrated"]
 Target = Literal["embed", "context", "attention", "ffn", "norm", "residual", "block", "final_norm", "head", "drift"]
-RouterFormat = Literal["topk", "switch"]
+RouterFormat = Literal["topk", "switch", "dense", "logits"]
 
 STAGES: tuple[Stage, ...] = get_args(Stage)
 OUTSIDE_STAGES: tuple[OutsideStage, ...] = get_args(OutsideStage)

@@ -2,8 +2,8 @@
 
 Default initialisations (std 0.02, norm weights of exactly 1, biases of 0) make attention
 nearly uniform and hide norm-weight and attention bugs (docs/design.md, "Testing with random
-weights"). :func:`trained_looking_` draws, from a fixed seed: projections ~ N(0, 1/fan_in),
-embeddings ~ N(0, 1), norm weights ~ 1 ± 0.2 (or ± 0.2 around 0 for norms that add 1 to
+weights"). :func:`trained_looking_` draws, from a fixed seed: projections ~ N(0, 1/fan_in)
+(stacked MoE expert weights ``[E, .., ..]`` per expert), embeddings ~ N(0, 1), norm weights ~ 1 ± 0.2 (or ± 0.2 around 0 for norms that add 1 to
 their weight), biases ~ U(-0.1, 0.1).
 """
 
@@ -56,8 +56,15 @@ def trained_looking_(model: nn.Module, *, seed: int = 0, offset_norms: tuple[str
             elif param.dim() == 1:
                 value = uniform(param.shape, -0.1, 0.1)
             else:
-                # nn.Linear stores [out, in]; HF's Conv1D stores [in, out].
-                fan_in = param.shape[0] if type(module).__name__ == "Conv1D" else param[0].numel()
+                # nn.Linear stores [out, in]; HF's Conv1D stores [in, out]; MoE experts stack
+                # one matrix per expert, [E, out, in] or [E, in, out]: the geometric mean of
+                # the two is near either fan-in.
+                if type(module).__name__ == "Conv1D":
+                    fan_in = param.shape[0]
+                elif param.dim() == 3 and "expert" in type(module).__name__.lower():
+                    fan_in = (param.shape[1] * param.shape[2]) ** 0.5
+                else:
+                    fan_in = param[0].numel()
                 value = draw(param.shape, fan_in ** -0.5)
             param.copy_(value.to(param.dtype))
     return model

@@ -440,7 +440,8 @@ def build_bert() -> nn.Module:
 
 
 def build_bart(*, seed: int = 0) -> nn.Module:
-    """A tiny BART (no bundled map: detected, encoder and decoder stacks)."""
+    """A tiny BART (bundled map ``bart``: encoder and decoder stacks, fc1 → activation →
+    fc2 the ffn)."""
     import transformers
 
     config = transformers.BartConfig(
@@ -449,6 +450,15 @@ def build_bart(*, seed: int = 0) -> nn.Module:
     )
     torch.manual_seed(seed)
     return trained_looking_(transformers.BartForConditionalGeneration(config), seed=seed).eval()
+
+
+def bart_fc2_bias_dropped(*, block: int = 3) -> nn.Module:
+    """BART whose layer ``block`` (encoder layers, then decoder layers) computes fc2
+    without its bias (a port that built the projection with ``bias=False``)."""
+    model = build_bart()
+    layer = [*model.model.encoder.layers, *model.model.decoder.layers][block]
+    _swap_class(layer.fc2, "BiasDropped", lambda self, x: F.linear(x, self.weight))
+    return model
 
 
 def gpt_neox_sequential() -> nn.Module:

@@ -102,7 +102,7 @@ def test_an_encoder_decoder_dump_replays_with_the_same_token_file(capsys, tmp_pa
     assert (code, out.strip()) == (0, "no divergence"), err
 
 
-def test_bart_runs_from_random_ids_with_both_stacks_detected(capsys):
+def test_bart_runs_from_random_ids_with_both_stacks_mapped(capsys):
     layout = blockdiff.resolve(hf_families.build_bart())
     assert [b.path for b in layout.blocks] == [
         "model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0", "model.decoder.layers.1",
