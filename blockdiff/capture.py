@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Literal, TypeVar
 import torch
 from torch import nn
 
-from .distributed import declared_whole, in_lockstep
+from .distributed import declared_whole, in_lockstep, local_output_dim
 from .hookmap import Layout
 from .inputs import run_model
 from .errors import BlockdiffError
@@ -172,9 +172,12 @@ def capture(
         if site is None:
             return
         site.output = snapshot(output)
-        dim = layout.options(site.module).shard_output
-        if dim is not None and in_lockstep():
-            site.output = replace_primary(site.output, declared_whole(primary_tensor(site.output), dim))
+        primary = primary_tensor(site.output)
+        if in_lockstep() and primary is not None:  # a local shard: recorded whole
+            dim = layout.options(site.module).shard_output
+            dim = local_output_dim(module, primary) if dim is None else dim
+            if dim is not None:
+                site.output = replace_primary(site.output, declared_whole(primary, dim))
         snapshot.add(store, site)
         if progress is not None and site.stage == "block" and site.subpath is None:
             blocks_done[0] += 1

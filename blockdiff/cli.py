@@ -628,23 +628,36 @@ def _one_rank(argv: list[str] | None) -> None:
     except Exception as exc:
         _fail(f"cannot join the launched run ({type(exc).__name__}: {exc})", exc)
     watch = _state["watch"] = distributed.FailureWatch(code=EXIT_ERROR)
-    stdout, stderr = sys.stdout, sys.stderr
-    if watch.rank != 0:  # silent but for its own failure (_errors)
-        _state["stderr"] = stderr
-        sys.stdout = sys.stderr = open(os.devnull, "w")
+    if watch.rank != 0:
+        _silenced()
     code: Any = 0
     try:
         _main(argv)
     except SystemExit as exc:
         code = exc.code
-    finally:
-        if sys.stdout is not stdout:
-            sys.stdout.close()
-            sys.stdout, sys.stderr = stdout, stderr
-    watch.stop()
     if code in (0, EXIT_DIVERGED, None):
-        distributed.finish()
+        # Every rank the same code, then together out of the group; a rank that fails
+        # meanwhile (rank 0 writing the report) still stops the others through the watch.
+        try:
+            code = distributed.agreed_exit_code(code or 0)
+            distributed.finish()
+        except Exception as exc:
+            _fail(f"could not finish the launched run ({type(exc).__name__}: {exc})", exc)
+    watch.stop()
     sys.exit(code)
+
+
+def _silenced() -> None:
+    """A rank other than 0 prints nothing but its own failure: stdout and stderr, down to
+    the file descriptors (the warnings of libraries writing there directly), go to the
+    null device; its errors go to the stderr it had (:func:`_errors`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _state["stderr"] = os.fdopen(os.dup(2), "w", buffering=1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
 
 
 def _main(argv: list[str] | None) -> Any:

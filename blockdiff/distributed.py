@@ -106,6 +106,7 @@ def lockstep() -> Iterator[bool]:
     before = _lockstep["on"]
     _lockstep["on"] = active()
     if _lockstep["on"]:
+        _cpu_group()  # every rank here together: the one moment a group may be made
         compare.ACROSS_RANKS.append(worst)
     try:
         yield _lockstep["on"]
@@ -127,7 +128,7 @@ def worst(found: Metrics) -> Metrics:
     import torch.distributed as dist
 
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, found)
+    dist.all_gather_object(every, found, group=_cpu_group())
     return max(every, key=lambda m: (m.rel_l2 != m.rel_l2, m.rel_l2))  # NaN first
 
 
@@ -138,8 +139,37 @@ def everywhere(flag: bool) -> bool:
     import torch.distributed as dist
 
     value = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=_cpu_group())
     return bool(value.item())
+
+
+def agreed_exit_code(code: int) -> int:
+    """The largest exit code of every rank (a divergence one rank saw is every rank's)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([code], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_cpu_group())
+    return int(value.item())
+
+
+_groups: dict[str, Any] = {}
+
+
+def _cpu_group() -> Any:
+    """A process group that runs collectives on CPU tensors: the default one when its
+    backend can (gloo, or ``cpu:gloo,cuda:nccl``), else a gloo group of every rank made
+    once (a group the user initialised with NCCL alone). Made in :func:`lockstep`, which
+    every rank enters together."""
+    import torch.distributed as dist
+
+    if "cpu" not in _groups:
+        backend = str(dist.get_backend()).lower()
+        _groups["cpu"] = None if ("gloo" in backend or backend == "mpi") else dist.new_group(backend="gloo")
+    return _groups["cpu"]
+
+
+def _group_for(t: torch.Tensor) -> Any:
+    return _cpu_group() if t.device.type == "cpu" else None
 
 
 # -- recorded whole -----------------------------------------------------------------------
@@ -155,17 +185,20 @@ def is_distributed(t: torch.Tensor) -> bool:
     return isinstance(t, (DTensor, AsyncCollectiveTensor))
 
 
-def whole(t: torch.Tensor) -> torch.Tensor:
+def whole(t: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """The full logical tensor of a ``DTensor`` (gathered: a collective every rank enters),
-    an ``AsyncCollectiveTensor`` once its collective finished; a new plain tensor, with the
-    layout it had under :data:`LAYOUT_ATTR` (a DTensor's mesh and placements)."""
+    an ``AsyncCollectiveTensor`` once its collective finished: a new plain tensor (on
+    ``device`` when given), with the layout it had under :data:`LAYOUT_ATTR` (a DTensor's
+    mesh and placements)."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, AsyncCollectiveTensor):
-        return t.wait().clone()
+        plain = t.wait()
+        return plain.to(device, copy=True) if device is not None else plain.clone()
     assert isinstance(t, DTensor)
-    full = t.full_tensor().clone()
+    full = t.full_tensor()
+    full = full.to(device, copy=True) if device is not None else full.clone()
     setattr(full, LAYOUT_ATTR, (t.device_mesh, tuple(t.placements)))
     return full
 
@@ -175,7 +208,7 @@ def gathered(t: torch.Tensor, dim: int) -> torch.Tensor:
     import torch.distributed as dist
 
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
+    dist.all_gather(parts, t.contiguous(), group=_group_for(t))
     return torch.cat(parts, dim=dim)
 
 
@@ -204,31 +237,40 @@ def in_layout(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
             local = local.chunk(mesh.size(mesh_dim), dim=placement.dim)[mesh.get_local_rank(mesh_dim)]
-        elif not placement.is_replicate():  # Partial: any split that sums to t will do
+        elif getattr(placement, "reduce_op", None) == "sum":  # Partial: a split that sums to t
             local = local if mesh.get_local_rank(mesh_dim) == 0 else torch.zeros_like(local)
-    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False)
+        # Replicate, and Partial avg/max/min: t itself on every rank reduces to t.
+    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
-def output_shard_dim(module: torch.nn.Module) -> int | None:
-    """The dimension along which ``module`` returns a plain local shard, as its
-    parallelization shows it: a column-parallel ``Linear`` (weight ``Shard(0)``) or
-    ``Embedding`` (weight ``Shard(1)``) returning local tensors gives its last dimension
-    sharded. ``None`` otherwise (a row-parallel module's output is all-reduced whole)."""
+def made_whole(t: torch.Tensor, module: torch.nn.Module, declared: int | None) -> torch.Tensor:
+    """An output of a sharded module made whole: a ``DTensor`` or collective result as
+    :func:`whole`; a plain local shard gathered along the dimension its hook map declares,
+    or that its parallelization shows (:func:`local_output_dim`)."""
+    if is_distributed(t):
+        return whole(t)
+    dim = local_output_dim(module, t) if declared is None else declared
+    return t if dim is None else gathered(t, dim)
+
+
+def local_output_dim(module: torch.nn.Module, t: torch.Tensor) -> int | None:
+    """-1 when ``t``, an output of ``module``, is this rank's shard of its last dimension:
+    a column-parallel ``Linear`` (weight ``Shard(0)``) or ``Embedding`` (weight
+    ``Shard(1)``) returning local tensors, ``t`` as wide as the local weight is and not as
+    the whole one (a column-parallel layer asked for replicated output is whole already).
+    ``None`` otherwise (a row-parallel module's output is all-reduced whole)."""
     weight = getattr(module, "weight", None)
-    if weight is None or "torch.distributed" not in sys.modules:
+    if weight is None or not is_distributed(weight) or t.dim() == 0:
         return None
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
-    if not isinstance(weight, DTensor) or len(weight.placements) != 1:
+    if len(weight.placements) != 1 or not isinstance(weight.placements[0], Shard):
         return None
-    placement = weight.placements[0]
-    if not isinstance(placement, Shard):
+    dim = {torch.nn.Linear: 0, torch.nn.Embedding: 1}.get(type(module))
+    if dim is None or weight.placements[0].dim != dim:
         return None
-    if isinstance(module, torch.nn.Linear) and placement.dim == 0:
-        return -1
-    if isinstance(module, torch.nn.Embedding) and placement.dim == 1:
-        return -1
-    return None
+    local, full = weight.to_local().shape[dim], weight.shape[dim]
+    return -1 if t.shape[-1] == local != full else None
 
 
 @contextmanager
@@ -254,7 +296,7 @@ def every_rank(obj: Any) -> list[Any]:
     import torch.distributed as dist
 
     found: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, obj)
+    dist.all_gather_object(found, obj, group=_cpu_group())
     return found
 
 
@@ -313,8 +355,7 @@ def replica_disagreement(sites: list[Any], *, dtype: torch.dtype | None = None) 
 
     ordered = sorted(sites, key=output_position)
     mine = [_digest(s.primary_output()) for s in ordered]
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = every_rank(mine)
     for index, site in enumerate(ordered):
         digests = [found[index] for found in every]
         if len(set(digests)) == 1:
@@ -322,7 +363,7 @@ def replica_disagreement(sites: list[Any], *, dtype: torch.dtype | None = None) 
         ranks = [r for r, d in enumerate(digests) if d != digests[0]]
         out = site.primary_output()
         parts = [torch.empty_like(out) for _ in every]
-        dist.all_gather(parts, out.contiguous())
+        dist.all_gather(parts, out.contiguous(), group=_group_for(out))
         worst_found = max((metrics(parts[0], parts[r], dtype=dtype) for r in ranks), key=lambda m: m.rel_l2)
         return site, ranks, worst_found
     return None
@@ -340,7 +381,7 @@ class FailureWatch:
     though it may be waiting in a collective the failed rank will never enter.
     """
 
-    KEY = "blockdiff/failed"
+    KEY = f"blockdiff/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # one per attempt
 
     def __init__(self, *, code: int, poll: float = 0.2) -> None:
         import torch.distributed as dist
@@ -389,7 +430,8 @@ def finish() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_cpu_group())
+        _groups.clear()
         dist.destroy_process_group()
 
 
@@ -406,11 +448,13 @@ __all__ = [
     "gathered",
     "in_layout",
     "declared_whole",
-    "output_shard_dim",
+    "local_output_dim",
     "replica_disagreement",
     "apart",
     "every_rank",
     "every_rank_sites",
     "FailureWatch",
     "finish",
+    "agreed_exit_code",
+    "made_whole",
 ]

@@ -289,6 +289,10 @@ def inputs_for(
 
 def _live_side(name: str, model: nn.Module, hooks: HookMap | None, inputs: Inputs, label: str | None) -> LiveSide:
     layout = resolve(model, hooks)
+    if distributed.in_lockstep() and name != "reference":
+        digests = distributed.every_rank(digest(inputs))
+        if len(set(digests)) > 1:
+            raise InputError(f"the ranks were given different inputs (digests {', '.join(digests)}): every rank must run the same")
     if not distributed.in_lockstep() or name == "reference":  # a reference: one device's model on every rank
         side: LiveSide = LiveSide(name, model, layout, label=label)
     else:
@@ -367,6 +371,11 @@ def diff(
     ref = _live_side("reference", reference, reference_hooks, inputs, labels[0])
     cand = _live_side("candidate", candidate, candidate_hooks, inputs, labels[1])
     check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
+    if isinstance(cand, ShardedSide) and (save_dumps is not None or stream):
+        raise InputError(
+            "--stream and --save-dumps do not take a sharded candidate yet: the layouts its modules expect are kept "
+            "in memory only; diff in memory, or capture the reference alone (blockdiff capture) and replay against it"
+        )
     ranking = dict(rank=rank, baseline_dtype=baseline_dtype)
     localize = lambda: _localize(ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, **ranking)  # noqa: E731
     with ExitStack() as stack:
@@ -635,7 +644,7 @@ def _localize(
     _nonfinite_notes(report, localizer.nonfinite)
     report.notes.extend(localizer.notes)
     if isinstance(cand, ShardedSide):
-        _replica_check(report, cand, localizer.experiments.dtype)
+        _replica_check(report, ref, cand, localizer.experiments.dtype)
     if rank:
         baseline = None
         if baseline_dtype is not None:
@@ -703,6 +712,7 @@ def _handoff_checks(blocks: list, ref: Side, cand: PipelineSide, localizer: Loca
         r_out, r_in = _block_site(ref, index).primary_output(), _block_site(ref, after).hidden_input()
         c_prev, c_next = _block_site(cand, index), _block_site(cand, after)
         c_out, c_in = c_prev.primary_output(), c_next.hidden_input()
+        at = _block_site(ref, after).order  # divergences are placed in the reference's order
         if any(t is None for t in (r_out, r_in, c_out, c_in)) or r_out.shape != r_in.shape or not torch.equal(r_out, r_in):
             continue
         if c_out.shape != c_in.shape:
@@ -713,16 +723,16 @@ def _handoff_checks(blocks: list, ref: Side, cand: PipelineSide, localizer: Loca
             c_next.module,
             metrics(c_out, c_in, dtype=dtype),
             localizer.tolerance.threshold("residual", dtype, None),
-            order=c_next.order,
+            order=at,
         )
-        by_index[after].subpaths.setdefault("residual", SubpathResult("checked", order=c_next.order)).checks.insert(0, check)
+        by_index[after].subpaths.setdefault("residual", SubpathResult("checked", order=at)).checks.insert(0, check)
 
 
 def _block_site(side: Side, index: int) -> Any:
     return next(s for s in side.store.block_sites(index) if s.subpath is None)
 
 
-def _replica_check(report: Report, side: Side, dtype: torch.dtype) -> None:
+def _replica_check(report: Report, reference: Side, side: Side, dtype: torch.dtype) -> None:
     """The first site whose replicas differ across ranks, judged as a divergence there (the
     same bits are expected: the same code on the same inputs), with a note naming the ranks."""
     store = side.store
@@ -731,9 +741,12 @@ def _replica_check(report: Report, side: Side, dtype: torch.dtype) -> None:
     if found is None:
         return
     site, ranks, measured = found
+    # Placed in the reference's order, as every check is.
+    paired = [s for s in (reference.store.outside_sites() if site.block is None else reference.store.block_sites(site.block)) if s.key == site.key]
+    at = paired[0].order if paired else site.order
     names = ", ".join(str(r) for r in ranks)
     message = f"replicas disagree: rank{'s' if len(ranks) > 1 else ''} {names} differ{'' if len(ranks) > 1 else 's'} from rank 0 (rel_l2 {measured.rel_l2:.3g})"
-    check = Check(REPLICAS, site.module, measured, Threshold(0.0, "fixed"), details={"ranks": ranks, "message": message}, order=site.order)
+    check = Check(REPLICAS, site.module, measured, Threshold(0.0, "fixed"), details={"ranks": ranks, "message": message}, order=at)
     where = describe_key(site.key)
     if site.block is None:
         stage = next(s for s in report.stages if s.stage == site.stage)
@@ -742,7 +755,7 @@ def _replica_check(report: Report, side: Side, dtype: torch.dtype) -> None:
     else:
         block = next(b for b in report.blocks if site.module == b.module or site.module.startswith(b.module + "."))
         subpath = {None: "residual", "router": "ffn"}.get(site.subpath, site.subpath)
-        result = block.subpaths.setdefault(subpath, SubpathResult("checked", order=site.order))
+        result = block.subpaths.setdefault(subpath, SubpathResult("checked", order=at))
         result.checks.insert(0, check)
         if result.status != "checked":
             result.status = "checked"

@@ -153,7 +153,7 @@ class Experiments:
             raise PairingError(f"{r.label}: the reference recorded no output tensor")
         hidden = r.hidden_inputs()
         out = c.primary_output()
-        if out is None or not everywhere(same_bits(hidden, c.hidden_inputs())):
+        if not everywhere(out is not None and same_bits(hidden, c.hidden_inputs())):
             out = self.module_output(self.cand, c.module, c, hidden)
         expected, out = self.comparable(r, c, ref_out, out)
         key = f"module:{describe_key(r.key)}"
@@ -205,7 +205,7 @@ class Experiments:
         frozen_c: Frozen = dict(pair.routing())  # (reference site, candidate site): the candidate's run
         if frozen:
             frozen_c.update({(s.subpath, s.ordinal): (s, pair.cand[key]) for key, s in pair.ref.items()})
-        if not frozen_c and c_block.primary_output() is not None and everywhere(same_bits(ref_in, c_block.hidden_inputs())):
+        if everywhere(not frozen_c and c_block.primary_output() is not None and same_bits(ref_in, c_block.hidden_inputs())):
             out, reached = c_block.primary_output(), {}  # the candidate's own call was this call
         else:
             out, reached = self.cand.run_block(c_block.module, c_block, ref_in, relative(pair.cand_layout), frozen_c)

@@ -433,18 +433,24 @@ class ShardedSide(LiveSide):
         super().__init__(name, model, layout, label=label)
         self.meta["ranks"] = distributed.world()
 
+    def _whole(self, path: str, out: Any) -> Any:
+        """``out`` of module ``path`` made whole: its primary tensor a local shard gathered
+        (:func:`~blockdiff.distributed.made_whole`), every distributed tensor whole."""
+        primary = primary_tensor(out)
+        if primary is None:
+            return out
+        made = map_structure(out, lambda t: distributed.whole(t) if distributed.is_distributed(t) else t)
+        whole = distributed.made_whole(primary, self.module(path), self.layout.options(path).shard_output)
+        return replace_primary(made, whole)
+
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
-        module = self.module(path)
-        out = super().call_module(path, call, hidden)
-        dim = self.layout.options(path).shard_output
-        dim = distributed.output_shard_dim(module) if dim is None else dim
+        return self._whole(path, super().call_module(path, call, hidden))
 
-        def made_whole(t: torch.Tensor) -> torch.Tensor:
-            if distributed.is_distributed(t):
-                return distributed.whole(t)
-            return t if dim is None else distributed.gathered(t, dim)
-
-        return map_structure(out, made_whole)
+    def run_block(
+        self, path: str, call: Site, hidden: Hidden | None, modules: dict[str, str], frozen: Frozen | None
+    ) -> tuple[torch.Tensor, dict[tuple[str, int], torch.Tensor]]:
+        out, reached = super().run_block(path, call, hidden, modules, frozen)
+        return self._whole(path, out), reached
 
 
 class PipelineSide(LiveSide):

@@ -192,7 +192,7 @@ def recorded_copy(t: torch.Tensor) -> torch.Tensor:
     """``t`` for the record: detached and copied to the CPU; a ``DTensor`` or an
     ``AsyncCollectiveTensor`` as its full logical tensor (:func:`~blockdiff.distributed.whole`)."""
     if is_distributed(t):
-        return whole(t.detach()).to("cpu")
+        return whole(t.detach(), "cpu")
     t = t.detach()
     return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
 

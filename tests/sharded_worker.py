@@ -1,6 +1,6 @@
 """One rank of the sharded tests (tests/test_sharded.py): runs scenarios through
-``blockdiff.run`` inside the process group, in lockstep with the other ranks; rank 0
-writes what each found as JSON.
+``blockdiff.run`` inside the process group, in lockstep with the other ranks; each
+rank writes what it found as JSON (``OUT.rankN``): every rank must have found the same.
 
     python tests/sharded_worker.py SCENARIOS.json OUT.json    (each rank, with torchrun's environment)
 
@@ -62,13 +62,14 @@ def main(scenarios_path: str, out_path: str) -> None:
                 side(scenario["reference"], torch.float32),
                 side(scenario["candidate"], dtype),
                 RandomTokens(seed=scenario.get("seed", 0)),
-                options=Options(candidate_hooks=hooks),
+                options=Options(candidate_hooks=hooks, stream=scenario.get("stream", False)),
             )
             found[scenario["name"]] = outcome(report)
         except Exception as exc:  # recorded, so that one scenario's failure names itself
             found[scenario["name"]] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    if dist.get_rank() == 0:
-        json.dump(found, open(out_path, "w"), indent=1, default=str)
+    for item in found.values():  # where the traceback went through differs by rank
+        item.pop("traceback", None) if dist.get_rank() else None
+    json.dump(found, open(f"{out_path}.rank{dist.get_rank()}", "w"), indent=1, default=str)
     distributed.finish()
 
 

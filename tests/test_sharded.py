@@ -85,6 +85,8 @@ def _scenarios(dump: Path) -> list[dict]:
     # A single-device reference dump replayed against sharded candidates.
     found.append({"name": "replay clean", "reference": str(dump), "candidate": "samples/sharded.py:llama_tp"})
     found.append({"name": "replay norm_on_one_rank", "reference": str(dump), "candidate": "samples/sharded.py:norm_on_one_rank"})
+    # Streaming would read the candidate back without the layouts its modules expect.
+    found.append({"name": "stream refused", "reference": LLAMA, "candidate": "samples/sharded.py:llama_tp", "stream": True})
     # assert_no_divergence on built models inside the process group.
     found.append({"name": "assert clean", "api": "assert", "reference": LLAMA, "candidate": "samples/sharded.py:llama_tp"})
     found.append({"name": "assert kv_heads_swapped", "api": "assert", "reference": LLAMA, "candidate": "samples/sharded.py:kv_heads_swapped"})
@@ -104,7 +106,14 @@ def outcomes(tmp_path_factory) -> dict:
     ranks = launch([str(ROOT / "tests" / "sharded_worker.py"), str(scenarios), str(out)], timeout=600)
     for rank, done in enumerate(ranks):
         assert done.returncode == 0, f"rank {rank}:\n{done.stderr[-3000:]}"
-    return json.loads(out.read_text())
+    found = [json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in range(2)]
+    for item in found[0].values():
+        item.pop("traceback", None)
+    for name in found[0]:  # every rank built the same report
+        for key in ("created",):
+            found[0][name].pop(key, None), found[1][name].pop(key, None)
+        assert found[0][name] == found[1][name], name
+    return found[0]
 
 
 def _found(outcomes: dict, name: str) -> dict:
@@ -175,6 +184,10 @@ def test_a_reference_dump_replays_against_a_sharded_candidate(outcomes):
     assert (first["block"], first["subpath"]) == (BLOCK, "norm")
 
 
+def test_streaming_a_sharded_candidate_is_refused_clearly(outcomes):
+    assert outcomes["stream refused"]["error"].startswith("InputError: --stream and --save-dumps do not take a sharded candidate")
+
+
 def test_assert_no_divergence_inside_a_process_group(outcomes):
     assert _found(outcomes, "assert clean")["first"] is None
     first = _found(outcomes, "assert kv_heads_swapped")["first"]
@@ -212,6 +225,14 @@ def test_cli_a_rank_that_fails_stops_every_rank_with_one_line(tmp_path):
     ], lines
     assert ranks[0].stdout == "" and ranks[1].stdout == ""
     assert elapsed < 60, f"{elapsed:.0f} s: the ranks waited for a collective timeout"
+
+
+def test_cli_rank_zero_failing_after_the_run_stops_every_rank(tmp_path):
+    # Rank 0 cannot write the report: the other rank, done with the run, must not wait.
+    ranks = launch(["-m", "blockdiff", "diff", LLAMA, "samples/sharded.py:llama_tp", "--json", "/proc/no/such/report.json"])
+    assert [r.returncode for r in ranks] == [2, 2], [r.stderr[-2000:] for r in ranks]
+    assert "Error: rank 0: cannot write the JSON report" in ranks[0].stderr
+    assert ranks[1].stderr == "" and ranks[1].stdout == ""
 
 
 def test_torchrun_runs_the_readme_command(tmp_path):
