@@ -99,7 +99,6 @@ class Snapshots:
         for alias, _ in mine:  # written: later changes no longer matter
             self._held.pop(id(alias), None)
 
-
     def finish(self) -> None:
         """Wait for every device copy still in flight (the forward is over)."""
         self.device_copies.wait_all()
@@ -110,8 +109,10 @@ class DeviceCopies:
 
     Each copy is queued on a side stream (after the work that produced the tensor) into a
     pinned host buffer, and the forward goes on; a CUDA event marks when it lands. At most
-    ``limit`` copies are in flight: one more waits for the oldest, so pinned memory stays
-    bounded by what the GPU has not yet caught up with, not by the model's depth. Copies
+    ``limit`` copies are in flight: one more waits for the oldest, so the forward runs at
+    most that far ahead of its copies, and a streamed capture (which frees each buffer once
+    its site is written) holds at most that many buffers besides (a store in memory keeps
+    every one: they are its record). Copies
     land in the order they were queued (one stream), so waiting for one waits for every
     copy queued before it. The source tensor is marked used on the side stream
     (``record_stream``), so the caching allocator does not hand its memory to the forward
