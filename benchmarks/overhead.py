@@ -7,7 +7,8 @@ vocab 32000; batch 1, seq 256, float32, CPU, 2 threads) it prints each figure as
 2. capture streamed to HDF5 / plain forward                     (goal <= 1.25)
 3. HDF5 write throughput / numpy.tofile of the same bytes       (goal >= 0.85)
 4. full diff with localization / (reference + candidate forward) (goal <= 2.5)
-5. peak RSS of a streamed diff at 8 and 32 blocks, minus weights (goal: grows by at most
+5. the same with a bfloat16 candidate, calibrated floors (goal <= 3.0)
+6. peak RSS of a streamed diff at 8 and 32 blocks, minus weights (goal: grows by at most
    one block's activations); measured as the diff's peak above the RSS it starts from,
    with both models already built (the peak counter is reset first: Linux only)
 
@@ -17,6 +18,7 @@ with CRC-32C checksums against the same dump written with ``checksums=False``.
 
     python benchmarks/overhead.py            # about three minutes on 2 cores
     python benchmarks/overhead.py --quick    # smaller model, for a smoke run
+    python benchmarks/overhead.py --device cuda   # capture overhead of a CUDA model (figures 1, 2)
 """
 
 from __future__ import annotations
@@ -76,6 +78,27 @@ def timed(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved(base, fn, repeat: int) -> dict[str, float | str]:
+    """``fn``'s cost over ``base``'s, each run of ``fn`` between two of ``base`` (the lower
+    of the two counts), so that both see the same load: the median ratio, in wall time and
+    in this process's CPU time (which other processes on the machine disturb less), with
+    the range of the pairs."""
+    base(), fn()
+    ratios: dict[str, list[float]] = {"wall": [], "cpu": []}
+    for _ in range(repeat):
+        for clock, key in ((time.perf_counter, "wall"), (time.process_time, "cpu")):
+            gc.collect()
+            start = clock(); base(); first = clock() - start
+            start = clock(); fn(); cost = clock() - start
+            start = clock(); base(); second = clock() - start
+            ratios[key].append(cost / min(first, second))
+    out: dict[str, float | str] = {}
+    for key, values in ratios.items():
+        out[key] = statistics.median(values)
+        out[f"{key} range"] = f"{min(values):.2f}-{max(values):.2f}"
+    return out
 
 
 def forward(model, ids):
@@ -217,7 +240,9 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
     and whether it is a quick run."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, for a smoke run")
+    parser.add_argument("--device", default="cpu", help="overhead.py: measure capture on this device (cuda)")
     args = parser.parse_args()
+    DEVICE[0] = torch.device(args.device)
     torch.set_num_threads(2)
     sizes, seq = dict(hidden=512, intermediate=1376, vocab=32000), 256
     if args.quick:
@@ -226,8 +251,41 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
     return sizes, seq, repeat, ids, args.quick
 
 
+DEVICE = [torch.device("cpu")]  # --device
+
+
+def on_device(sizes: dict, ids: torch.Tensor, repeat: int) -> None:
+    """Capture of a model on a CUDA device against its plain forward: activations copied to
+    the CPU on a side stream into pinned buffers while the forward goes on
+    (:class:`~blockdiff.capture.DeviceCopies`)."""
+    device = DEVICE[0]
+    if not torch.cuda.is_available():
+        sys.exit(f"--device {device}: torch sees no CUDA device here")
+    model = build(8, **sizes).to(device)
+    ids = ids.to(device)
+    layout = resolve(model)
+
+    def synced(fn):
+        def run():
+            fn()
+            torch.cuda.synchronize(device)
+        return run
+
+    plain = timed(synced(lambda: forward(model, ids)), repeat)
+    in_memory = timed(synced(lambda: record(model, layout, MemoryStore(), ids)), repeat)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = iter(range(10**6))
+        streamed = timed(synced(lambda: capture(model, ids, Path(tmp) / f"c{next(runs)}.h5")), repeat)
+    print(f"model on {device} ({torch.cuda.get_device_name(device)}): plain forward {plain * 1e3:.1f} ms")
+    print(f"1. capture to memory / forward            {in_memory / plain:8.3f}   (goal <= 1.08)")
+    print(f"2. capture streamed to HDF5 / forward     {streamed / plain:8.3f}   (goal <= 1.25)")
+
+
 def main() -> None:
     sizes, seq, repeat, ids, quick = setup(__doc__, repeat=5)
+    if DEVICE[0].type == "cuda":
+        on_device(sizes, ids, repeat)
+        return
     model = build(8, **sizes)
     params = sum(p.numel() for p in model.parameters())
     layout = resolve(model)
@@ -265,8 +323,7 @@ def main() -> None:
     everywhere = timed(lambda: diff(reference, differing, ids), max(1, repeat // 2))
     everywhere_fast = timed(lambda: diff(reference, differing, ids, fast_path=True), max(1, repeat // 2))
     bf16 = candidate.to(torch.bfloat16)
-    calibrated = timed(lambda: diff(reference, bf16, ids), 1)
-    calibrated_fwd = timed(lambda: (forward(reference, ids), forward(bf16, ids)), repeat)
+    mixed = interleaved(lambda: (forward(reference, ids), forward(bf16, ids)), lambda: diff(reference, bf16, ids), repeat)
 
     print(f"plain forward                             {plain * 1e3:8.1f} ms")
     print(f"1. capture to memory / forward            {in_memory / plain:8.3f}   (goal <= 1.08)")
@@ -279,7 +336,8 @@ def main() -> None:
     print(f"4. diff / (ref + cand forward), fp32      {full / two_forwards:8.3f}   (goal <= 2.5)   --fast: {fast / two_forwards:.3f}")
     print(f"   the same, candidate weights x (1 + 1e-6 noise): {everywhere / two_differing:.3f}   "
           f"--fast: {everywhere_fast / two_differing:.3f}   (every experiment runs)")
-    print(f"   diff fp32 vs bf16 (calibrated floors)   {calibrated / calibrated_fwd:8.3f}")
+    print(f"5. diff fp32 vs bf16, calibrated / (ref + cand forward) {mixed['wall']:6.3f}   (goal <= 3.0)   "
+          f"[wall, pairs {mixed['wall range']}; CPU time {mixed['cpu']:.3f}, pairs {mixed['cpu range']}]")
     print(f"   dump throughput, checksums on / off (goal >= 0.85): write {rates['checksums write on/off']:.3f}, "
           f"read verified / unverified {rates['checksums read on/off']:.3f} (median of 15 interleaved pairs)")
 
@@ -295,9 +353,10 @@ def main() -> None:
         extra_a, extra_b = a["peak"] - a["before"], b["peak"] - b["before"]
         grow = extra_b - extra_a
         block_acts = 1 * seq * sizes["hidden"] * 4 * 8  # ~8 hidden-sized tensors recorded per block
-        print(f"5. diff peak above its starting RSS, {mode:6s}: {small} blocks {extra_a / 2**20:7.0f} MiB, "
+        print(f"6. diff peak above its starting RSS, {mode:6s}: {small} blocks {extra_a / 2**20:7.0f} MiB, "
               f"{large} blocks {extra_b / 2**20:7.0f} MiB; growth {grow / 2**20:6.1f} MiB "
-              f"= {grow / block_acts:5.1f} blocks' activations ({block_acts / 2**20:.1f} MiB each)")
+              f"= {grow / block_acts:5.1f} blocks' activations ({block_acts / 2**20:.1f} MiB each)"
+              + ("   (goal <= 1 block)" if mode == "stream" else ""))
 
     try:
         from transformers.model_debugging_utils import model_addition_debugger_context

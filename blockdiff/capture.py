@@ -13,18 +13,19 @@ retry loop, :func:`with_copies`, runs the whole attempt again with copies.
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Literal, TypeVar
 
 import torch
 from torch import nn
 
-from .distributed import declared_whole, in_lockstep, local_output_dim
+from .distributed import declared_whole, in_lockstep, is_distributed, local_output_dim
 from .hookmap import Layout
 from .inputs import run_model
 from .errors import BlockdiffError
 from .site import Site, hidden_location, iter_tensors, map_structure, primary_tensor, recorded_copy, replace_primary, with_hidden
-from .store import SiteStore
+from .store import MemoryStore, SiteStore
 
 
 class Snapshots:
@@ -44,10 +45,12 @@ class Snapshots:
     site's tensors just before the store writes them, and forgets them once written.
     """
 
-    def __init__(self, *, by_reference: str | None = None) -> None:
+    def __init__(self, *, by_reference: str | None = None, device_copies: "DeviceCopies | None" = None) -> None:
         self.by_reference = by_reference
         self._cache: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         self._held: dict[int, tuple[torch.Tensor, int]] = {}
+        # Copies of CUDA tensors, queued on a side stream (see DeviceCopies).
+        self.device_copies = device_copies or DeviceCopies()
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         key = id(t)
@@ -59,6 +62,9 @@ class Snapshots:
         if self.by_reference and version is not None and t_.device.type == "cpu":
             self._held[id(t_)] = (t_, version)
             copy = t_
+        elif self.device_copies.handles(t_) and not in_lockstep() and not is_distributed(t_):
+            # (a sharded run copies at once: its records are gathered and compared in lockstep)
+            copy = self.device_copies.copy(t_)
         else:
             copy = recorded_copy(t_)
         if version is None:  # an inference tensor has no version counter: no sharing
@@ -78,8 +84,13 @@ class Snapshots:
         """Whether a tensor recorded by reference was modified in place after its hook."""
         return any(alias._version != version for alias, version in self._held.values())
 
-    def add(self, store: SiteStore, site: Site) -> None:
-        """``store.add(site)``; for ``"written"``, after checking the site's references."""
+    def add(self, store: SiteStore, site: Site, *, written: bool = False) -> None:
+        """``store.add(site)``; for ``"written"``, after checking the site's references.
+        A store that writes (``written``, or ``"written"``) gets the site once its device
+        copies have landed; one that holds gets them as they are, landed by
+        :meth:`finish` at the end of the forward."""
+        if written or self.by_reference == "written":
+            self.device_copies.wait_for(iter_tensors((site.args, site.kwargs, site.output)))
         if self.by_reference != "written":
             store.add(site)
             return
@@ -89,6 +100,92 @@ class Snapshots:
         store.add(site)
         for alias, _ in mine:  # written: later changes no longer matter
             self._held.pop(id(alias), None)
+
+    def finish(self) -> None:
+        """Wait for every device copy still in flight (the forward is over)."""
+        self.device_copies.wait_all()
+
+
+class DeviceCopies:
+    """Copies of a CUDA model's activations to the CPU, overlapped with its forward.
+
+    Each copy is queued on a side stream (after the work that produced the tensor) into a
+    pinned host buffer, and the forward goes on; a CUDA event marks when it lands. At most
+    ``limit`` copies are in flight: one more waits for the oldest, so the forward runs at
+    most that far ahead of its copies, and a streamed capture (which frees each buffer once
+    its site is written) holds at most that many buffers besides (a store in memory keeps
+    every one: they are its record). Copies
+    land in the order they were queued (one stream), so waiting for one waits for every
+    copy queued before it. The source tensor is marked used on the side stream
+    (``record_stream``), so the caching allocator does not hand its memory to the forward
+    before the copy has read it.
+
+    A tensor not on a CUDA device is copied as before (:func:`~blockdiff.site.recorded_copy`).
+    Not verified on a GPU: the machines this was written on have none; the bounding and
+    ordering logic is tested on the CPU with a stand-in for the stream (``events``).
+
+    Args:
+        limit: copies in flight at most.
+        events: how a copy is queued, ``events(tensor) -> (host tensor, waitable)`` where
+            the waitable has ``synchronize()``; the CUDA side stream when ``None``.
+    """
+
+    def __init__(self, limit: int = 16, *, events: Callable[[torch.Tensor], tuple[torch.Tensor, Any]] | None = None) -> None:
+        self.limit = limit
+        self._events = events
+        self._streams: dict[torch.device, Any] = {}
+        self._in_flight: deque[tuple[Any, int]] = deque()  # (event, id of its host tensor), oldest first
+        self._pending: set[int] = set()  # ids of host tensors whose copy may not have landed
+
+    def handles(self, t: torch.Tensor) -> bool:
+        """Whether :meth:`copy` queues ``t`` (a CUDA tensor, or any with ``events``)."""
+        return self._events is not None or t.device.type == "cuda"
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of ``t``; for a CUDA tensor, one that lands later (:meth:`wait_for`)."""
+        if not self.handles(t):
+            return recorded_copy(t)
+        host, event = (self._events or self._queue)(t)
+        self._in_flight.append((event, id(host)))
+        self._pending.add(id(host))
+        while len(self._in_flight) > self.limit:
+            self._land_oldest()
+        return host
+
+    def _queue(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        stream = self._streams.get(t.device)
+        if stream is None:
+            stream = self._streams[t.device] = torch.cuda.Stream(t.device)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(t.device))  # after the work that made t
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+            t.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return host, event
+
+    def _land_oldest(self) -> None:
+        event, host = self._in_flight.popleft()
+        event.synchronize()
+        self._pending.discard(host)
+
+    def wait_for(self, tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> None:
+        """Wait until the copies that made ``tensors`` have landed (and every one queued
+        before them: they land in order)."""
+        wanted = {id(t) for t in tensors} & self._pending
+        while wanted and self._in_flight:
+            _, host = self._in_flight[0]
+            self._land_oldest()
+            wanted.discard(host)
+
+    def wait_all(self) -> None:
+        while self._in_flight:
+            self._land_oldest()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
 
 
 class TensorChanged(BlockdiffError):
@@ -178,7 +275,7 @@ def capture(
             dim = local_output_dim(module, primary) if dim is None else dim
             if dim is not None:
                 site.output = replace_primary(site.output, declared_whole(primary, dim))
-        snapshot.add(store, site)
+        snapshot.add(store, site, written=not isinstance(store, MemoryStore))
         if progress is not None and site.stage == "block" and site.subpath is None:
             blocks_done[0] += 1
             progress(blocks_done[0], len(layout.blocks))
@@ -226,6 +323,7 @@ def capture(
             handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
         yield store
         drain()
+        snapshot.finish()  # every device copy landed before the store is read
     finally:
         for handle in handles:
             handle.remove()

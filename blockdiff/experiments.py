@@ -20,11 +20,11 @@ the check's noise floor.
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from .compare import Metrics, metrics
+from .compare import Metrics, metrics, rel_l2
 from .distributed import everywhere, world
 from .dtypes import precision_label
 from .errors import PairingError, ShapeMismatchError
@@ -32,7 +32,7 @@ from .hookmap import BlockLayout
 from .pairing import BlockPair, in_order
 from .report import Check
 from .sides import Frozen, Side
-from .site import Site, describe_key, primary_tensor
+from .site import Opaque, Site, describe_key, map_structure, primary_tensor
 from .tolerance import Tolerance, working_dtype
 from .store import SiteStore
 from .vocab import BLOCK_TARGET, DRIFT
@@ -126,8 +126,10 @@ class Experiments:
     def free_run_floor(self, r: Site) -> float | None:
         """Drift of the reference's free run at the candidate's precision at site ``r``."""
         own = self._free_run_site(r)
-        floor_drift = None if own is None else self.drift(r, own)
-        return None if floor_drift is None else floor_drift.rel_l2
+        ref_out, own_out = r.primary_output(), None if own is None else own.primary_output()
+        if ref_out is None or own_out is None:
+            return None
+        return rel_l2(*self.comparable(r, own, ref_out, own_out))
 
     def _free_run_site(self, r: Site) -> Site | None:
         if self.free_run is None:
@@ -146,6 +148,18 @@ class Experiments:
             raise PairingError(f"{call.label}: the module returned no tensor")
         return out
 
+    def floor_output(self, side: Side, call: Site) -> torch.Tensor:
+        """The reference's ``call`` replayed on the floor side (its arguments cast to the
+        floor's precision). When the free run made that very call — every argument, cast,
+        the same bits as the free run's own (the first block's input, in a model whose
+        embedding is a lookup) — its recorded output is the answer: the free run measured
+        this floor already."""
+        own = self._free_run_site(call)
+        out = None if own is None else own.primary_output()
+        if out is not None and same_call(call, own, getattr(side, "cast", None)):
+            return out
+        return self.module_output(side, call.module, call, None)
+
     def module_check(self, target: str, r: Site, c: Site) -> Check:
         """The candidate's module on the reference's activations, against the reference's output."""
         ref_out = r.primary_output()
@@ -153,13 +167,12 @@ class Experiments:
             raise PairingError(f"{r.label}: the reference recorded no output tensor")
         hidden = r.hidden_inputs()
         out = c.primary_output()
-        if not everywhere(out is not None and same_bits(hidden, c.hidden_inputs())):
+        own = c.hidden_inputs()
+        if not everywhere(out is not None and same_bits(as_received(hidden, own), own)):
             out = self.module_output(self.cand, c.module, c, hidden)
         expected, out = self.comparable(r, c, ref_out, out)
         key = f"module:{describe_key(r.key)}"
-        floor = self.with_floor(
-            key, lambda side: metrics(ref_out, self.module_output(side, r.module, r, None), dtype=self.dtype).rel_l2
-        )
+        floor = self.with_floor(key, lambda side: rel_l2(ref_out, self.floor_output(side, r)))
         check = self.check(target, "output", c.module, expected, out, floor)
         check.order, check.key = r.order, key
         return check
@@ -185,7 +198,7 @@ class Experiments:
             key = f"child:{describe_key(r.key)}:{rel}#{rc.call}"
             floor = self.with_floor(
                 key,
-                lambda side, rc=rc, ref_out=ref_out: metrics(ref_out, self.module_output(side, rc.module, rc, None), dtype=self.dtype).rel_l2,
+                lambda side, rc=rc, ref_out=ref_out: rel_l2(ref_out, self.module_output(side, rc.module, rc, None)),
             )
             checks.append(self.check(target, f"child {rel}" + (f" #{rc.call}" if rc.call else ""), cc.module, expected, out, floor))
             checks[-1].key = key
@@ -205,7 +218,8 @@ class Experiments:
         frozen_c: Frozen = dict(pair.routing())  # (reference site, candidate site): the candidate's run
         if frozen:
             frozen_c.update({(s.subpath, s.ordinal): (s, pair.cand[key]) for key, s in pair.ref.items()})
-        if everywhere(not frozen_c and c_block.primary_output() is not None and same_bits(ref_in, c_block.hidden_inputs())):
+        own_in = c_block.hidden_inputs()
+        if everywhere(not frozen_c and c_block.primary_output() is not None and same_bits(as_received(ref_in, own_in), own_in)):
             out, reached = c_block.primary_output(), {}  # the candidate's own call was this call
         else:
             out, reached = self.cand.run_block(c_block.module, c_block, ref_in, relative(pair.cand_layout), frozen_c)
@@ -226,12 +240,15 @@ class Experiments:
             """Each compared tensor's floor, by what it is ("output", "norm#1"): for every
             module of the reference's block, so that floors a dump stores fit any candidate."""
             frozen_f = {key: (r, r) for key, (r, _) in frozen_c.items()}  # the reference's own record
-            f_out, f_reached = side.run_block(r_block.module, r_block, None, relative(pair.ref_layout), frozen_f)
-            found = {"output": metrics(ref_out, f_out, dtype=self.dtype).rel_l2}
+            if frozen_f:
+                f_out, f_reached = side.run_block(r_block.module, r_block, None, relative(pair.ref_layout), frozen_f)
+            else:
+                f_out, f_reached = self.floor_output(side, r_block), {}
+            found = {"output": rel_l2(ref_out, f_out)}
             for site in pair.ref.values() if frozen else ():
                 expected, got = site.hidden_input(), f_reached.get((site.subpath, site.ordinal))
                 if expected is not None and got is not None:
-                    found[f"{site.subpath}#{site.ordinal}"] = metrics(expected, got, dtype=self.dtype).rel_l2
+                    found[f"{site.subpath}#{site.ordinal}"] = rel_l2(expected, got)
             return found
 
         measured = self.with_floor(f"{target}:{describe_key(r_block.key)}", floors) or {}
@@ -333,6 +350,55 @@ def check_shapes(label: str, what: str, ref: torch.Tensor, cand: torch.Tensor) -
 _SAME_SIZE_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def as_received(hidden: dict[str, torch.Tensor], own: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``hidden`` as a replay hands it to a call whose own activations are ``own``: each
+    floating tensor cast to ``dtype``, else to the dtype of the call's own tensor in that
+    role (see :meth:`~blockdiff.sides.LiveSide.call_module`). A float32 reference's
+    activations reach a bfloat16 candidate's module in bfloat16; where they are then the
+    same bits as the candidate's own, the experiment is the candidate's own call."""
+    found = {}
+    for role, t in hidden.items():
+        to = dtype or (own[role].dtype if role in own else None)
+        found[role] = t.to(to) if to is not None and t.is_floating_point() and to.is_floating_point else t
+    return found
+
+
+def same_call(call: Site, own: Site, dtype: torch.dtype | None) -> bool:
+    """Whether ``call`` replayed with its floating tensors cast to ``dtype`` is the call
+    ``own`` recorded: the same structure and plain values, every tensor the same bits, and
+    no argument held by reference (an object) that is not the very same object."""
+    mine: list[torch.Tensor] = []
+    theirs: list[torch.Tensor] = []
+    shape_a = map_structure((call.args, call.kwargs), lambda t: mine.append(t) or _TENSOR)
+    shape_b = map_structure((own.args, own.kwargs), lambda t: theirs.append(t) or _TENSOR)
+    if shape_a != shape_b:
+        return False
+    objects_a = [o for o in _opaques(shape_a) if not o.cache]
+    objects_b = [o for o in _opaques(shape_b) if not o.cache]
+    if any(a.value is None or a.value is not b.value for a, b in zip(objects_a, objects_b)):
+        return False
+    for a, b in zip(mine, theirs):  # one tensor at a time: most calls differ in the first
+        if dtype is not None and a.is_floating_point() and dtype.is_floating_point:
+            a = a.to(dtype)
+        if not same_bits({"t": a}, {"t": b}):
+            return False
+    return True
+
+
+_TENSOR = object()  # where a tensor sits in a call's structure (same_call)
+
+
+def _opaques(obj: Any) -> Iterator[Opaque]:
+    if isinstance(obj, Opaque):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _opaques(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _opaques(v)
+
+
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Whether two sets of activations are the same bit for bit: names, dtypes, shapes,
     devices and every bit (NaN payloads and signed zeros included).
@@ -359,4 +425,4 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return True
 
 
-__all__ = ["Experiments", "aligned", "check_shapes", "comparable", "relative", "same_bits"]
+__all__ = ["Experiments", "aligned", "as_received", "check_shapes", "comparable", "relative", "same_bits", "same_call"]

@@ -277,8 +277,11 @@ class Localizer:
 
 
 def _nonfinite(t: torch.Tensor) -> int:
-    """How many NaN/Inf ``t`` holds; one float64 sum when there are none."""
-    if not t.is_floating_point() or bool(torch.isfinite(t.sum(dtype=torch.float64))):
+    """How many NaN/Inf ``t`` holds; one sum when there are none (in float32 for tensors of
+    32 bits or fewer: a sum that overflows only costs the count that follows)."""
+    if not t.is_floating_point():
+        return 0
+    if bool(torch.isfinite(t.sum(dtype=torch.float32 if t.element_size() <= 4 else torch.float64))):
         return 0
     return int((~torch.isfinite(t)).sum())
 

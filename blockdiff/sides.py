@@ -239,16 +239,20 @@ class LiveSide:
         """``call``'s arguments on this side's device (floating ones cast to :attr:`cast`),
         its activations replaced by ``hidden`` in the call's own dtypes."""
         device = self.device
-        args = for_replay(call.args, device=device, dtype=self.cast)
-        kwargs = for_replay(call.kwargs, device=device, dtype=self.cast)
+        args, kwargs, fresh = call.args, call.kwargs, set()
         if hidden:
             own = call.hidden_inputs()
             hidden = {
                 role: replayed_copy(t, device, self.cast or (own[role].dtype if role in own else None), layout=own.get(role))
                 for role, t in hidden.items()
             }
+            # Replaced before the rest is copied: each tensor of the call is copied (and cast) once.
             args, kwargs = with_hidden(args, kwargs, hidden, call.activations)
-        return args, kwargs
+            fresh = {id(t) for t in hidden.values()}
+        return (
+            for_replay(args, device=device, dtype=self.cast, keep=fresh),
+            for_replay(kwargs, device=device, dtype=self.cast, keep=fresh),
+        )
 
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
         args, kwargs = self._replay(call, hidden)
@@ -383,15 +387,21 @@ class LiveSide:
 
 
 class PrecisionSide(LiveSide):
-    """A live side's code in another dtype and device: each module it runs is a fresh copy
-    of the side's module, cast (the user's model is never changed), and every recorded
-    floating argument is cast too. The noise floor of a check is this side's error."""
+    """A live side's code in another dtype and device: the modules it runs are one copy of
+    the side's model, cast (the user's model is never changed), and every recorded floating
+    argument is cast too. The noise floor of a check is this side's error.
+
+    The copy is made on first use and kept while the side lives: the free run and every
+    floor experiment run it, so each weight is cast once (a copy per experiment cast the
+    whole model twice over). It costs the model's weights at this precision in memory, as
+    long as the diff runs."""
 
     def __init__(self, side: LiveSide, dtype: torch.dtype, device: torch.device) -> None:
         self.name, self.layout, self.meta, self.store = side.name, side.layout, side.meta, side.store
         self.model = side.model
         self.cast = dtype
         self._device = device
+        self._copy: nn.Module | None = None
 
     @property
     def device(self) -> torch.device:
@@ -403,8 +413,10 @@ class PrecisionSide(LiveSide):
         return self.cast
 
     def module(self, path: str) -> nn.Module:
-        # Positional .to calls: some models' .to takes no keywords (HookedTransformer).
-        return copy.deepcopy(self.model.get_submodule(path)).to(self._device).to(self.cast)
+        if self._copy is None:
+            assert self.cast is not None
+            self._copy = cast_copy(self.model, self.cast, self._device)
+        return self._copy.get_submodule(path)
 
     def runnable(self, path: str, module: nn.Module | None = None) -> Callable:
         return self.module(path) if module is None else module  # a copy, run eagerly
@@ -412,9 +424,12 @@ class PrecisionSide(LiveSide):
     def record(
         self, inputs: Inputs, store: SiteStore, *, hold: str | None = None, progress: Callable[[int, int], None] | None = None
     ) -> Recording:
-        """The whole model's free run at this precision (a copy of the model: the drift
-        floors); ``hold`` as for :func:`~blockdiff.capture.record_once`."""
+        """The whole model's free run at this precision (the drift floors); ``hold`` as for
+        :func:`~blockdiff.capture.record_once`, but a store in memory gets copies: the
+        experiments run the same modules again, and a module that reuses its output buffer
+        would change what the free run holds."""
         self.store = store
+        hold = None if hold == "kept" else hold
         return record_once(self.module(""), self.layout, store, inputs, hold=hold, progress=progress)  # type: ignore[arg-type]
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
@@ -558,6 +573,22 @@ class DumpSide:
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> None:
         return None
+
+
+def cast_copy(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A deep copy of ``model`` on ``device`` with its floating parameters and buffers in
+    ``dtype``, as ``copy.deepcopy(model).to(device).to(dtype)`` makes it, but with each
+    tensor cast once on its way into the copy instead of copied, moved and cast (tied
+    weights stay tied). Tensors of other kinds (subclasses, quantized) are copied and
+    converted by ``.to`` as before."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in memo or type(t) not in (torch.Tensor, nn.Parameter) or not t.is_floating_point():
+            continue
+        cast = t.detach().to(device=device, dtype=dtype, copy=True)
+        memo[id(t)] = nn.Parameter(cast, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else cast
+    # Positional .to calls: some models' .to takes no keywords (HookedTransformer).
+    return copy.deepcopy(model, memo).to(device).to(dtype)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ anatomy does not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Collection, Iterator, NamedTuple
 
 import torch
 
@@ -219,16 +219,19 @@ def snapshot(obj: Any) -> Any:
     return map_structure(obj, recorded_copy)
 
 
-def for_replay(obj: Any, *, device: torch.device | str, dtype: torch.dtype | None = None) -> Any:
+def for_replay(
+    obj: Any, *, device: torch.device | str, dtype: torch.dtype | None = None, keep: Collection[int] = ()
+) -> Any:
     """Move a recorded structure to ``device``; floating tensors cast to ``dtype`` if given.
 
     :class:`Opaque` markers become the objects they hold; a recorded cache becomes ``None``
-    (never replayed).
+    (never replayed). Tensors whose ``id`` is in ``keep`` (copies made for this call
+    already) are passed as they are.
 
     Raises:
         NotReplayable: a marker that holds no object (read from a dump) and is no cache.
     """
-    return _unwrap_opaque(map_structure(obj, lambda t: replayed_copy(t, device, dtype)))
+    return _unwrap_opaque(map_structure(obj, lambda t: t if id(t) in keep else replayed_copy(t, device, dtype)))
 
 
 def _unwrap_opaque(obj: Any) -> Any:

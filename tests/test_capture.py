@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from blockdiff import resolve
-from blockdiff.capture import capture, record
+from blockdiff.capture import DeviceCopies, Snapshots, capture, record
+from blockdiff.dump import DumpReader, DumpWriter
 from blockdiff.store import MemoryStore
 from samples import tinylm
 
@@ -129,3 +130,69 @@ def test_a_module_overwriting_what_it_returned_before_leaves_the_report_unchange
     for report in (plain, reusing):
         del report["created"]
     assert reusing == plain
+
+
+class _Landing:
+    """A stand-in for a CUDA side stream: a copy is taken when queued and lands in the host
+    buffer (NaN until then) only when its event is synchronized; ``landed`` lists the
+    copies in the order they landed."""
+
+    def __init__(self) -> None:
+        self.landed: list[int] = []
+        self.queued = -1
+
+    def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+        source = t.detach().clone()
+        host = torch.full_like(t, float("nan")) if t.is_floating_point() else torch.full_like(t, -1)
+        landing = self
+        queued = self.queued = self.queued + 1
+
+        class Event:
+            def synchronize(self) -> None:
+                host.copy_(source)
+                landing.landed.append(queued)
+
+        return host, Event()
+
+
+def test_device_copies_keep_a_bounded_number_in_flight_and_land_in_order():
+    landing = _Landing()
+    copies = DeviceCopies(limit=3, events=landing)
+    hosts = [copies.copy(torch.full((4,), float(i))) for i in range(5)]
+    # A fourth and a fifth copy each waited for the oldest: three in flight.
+    assert copies.in_flight == 3 and landing.landed == [0, 1]
+    assert torch.isnan(hosts[3]).all()
+    copies.wait_for([hosts[3]])  # copies land in order: copy 2 first
+    assert landing.landed == [0, 1, 2, 3] and copies.in_flight == 1
+    assert torch.equal(hosts[3], torch.full((4,), 3.0))
+    copies.wait_for([hosts[0], torch.ones(1)])  # landed already, or not a copy: nothing waits
+    assert landing.landed == [0, 1, 2, 3]
+    copies.wait_all()
+    assert landing.landed == [0, 1, 2, 3, 4] and copies.in_flight == 0
+    assert [float(h[0]) for h in hosts] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_dump_written_through_device_copies_holds_every_value_landed(ids, tmp_path):
+    """Sites reach a dump only once their copies landed (a site written early would hold
+    the NaN the stand-in leaves until then); in memory, all have landed when capture ends.
+    Two copies in flight at most, over a forward of dozens of tensors."""
+    model = tinylm.build()
+    layout = resolve(model)
+    expected = MemoryStore()
+    record(model, layout, expected, ids)
+    landing = _Landing()
+    with DumpWriter(tmp_path / "c.h5", meta={"model": "tinylm"}) as writer:
+        snapshots = Snapshots(device_copies=DeviceCopies(limit=2, events=landing))
+        with capture(model, layout, writer, snapshot=snapshots), torch.no_grad():
+            model(ids)
+    in_memory = MemoryStore()
+    landing_memory = _Landing()
+    snapshots = Snapshots(device_copies=DeviceCopies(limit=2, events=landing_memory))
+    with capture(model, layout, in_memory, snapshot=snapshots), torch.no_grad():
+        model(ids)
+    assert len(landing.landed) > 20 and landing.landed == sorted(landing.landed)
+    with DumpReader(tmp_path / "c.h5") as dump:
+        for store in (dump, in_memory):
+            got = {s.key: s for s in [*store.outside_sites(), *(s for i in store.block_indices() for s in store.block_sites(i))]}
+            for site in [*expected.outside_sites(), *(s for i in expected.block_indices() for s in expected.block_sites(i))]:
+                assert torch.equal(got[site.key].primary_output(), site.primary_output()), site.label

@@ -67,3 +67,42 @@ def test_float64_values_beyond_the_range_of_their_squares_still_give_metrics():
     r = torch.full((4,), 1e200, dtype=torch.float64)
     m = metrics(r, r.clone())
     assert (m.nonfinite_ref, m.nonfinite_cand, m.max_abs) == (0, 0, 0.0)
+
+
+def test_large_tensors_are_compared_chunk_by_chunk_as_the_whole_tensor_computation_does():
+    from blockdiff.compare import CHUNK, _metrics
+
+    gen = torch.Generator().manual_seed(3)
+    r = torch.randn(3 * CHUNK + 7, generator=gen)
+    c = (r + 1e-2 * torch.randn(r.shape, generator=gen)).bfloat16()
+    whole = _metrics(r, c, torch.bfloat16, torch.float32)
+    chunked = metrics(r, c, dtype=torch.bfloat16)
+    assert chunked.rel_l2 == pytest.approx(whole.rel_l2, rel=1e-6)
+    assert chunked.cosine == pytest.approx(whole.cosine, abs=1e-9)
+    assert (chunked.max_abs, chunked.mismatched, chunked.numel) == (whole.max_abs, whole.mismatched, whole.numel)
+    assert chunked.mismatched > 0
+    # NaN in one chunk: the whole-tensor path counts and masks them, as before.
+    bad = c.clone()
+    bad[CHUNK + 5] = float("nan")
+    assert metrics(r, bad) == _metrics(r, bad, None, torch.float32)
+    assert metrics(r, bad).nonfinite_cand == 1 and metrics(r, bad).rel_l2 == math.inf
+
+
+@pytest.mark.parametrize("numel", [5, 1000, (1 << 18) + 3])
+def test_a_floors_relative_l2_is_the_metrics_relative_l2(numel):
+    from blockdiff.compare import rel_l2
+
+    gen = torch.Generator().manual_seed(numel)
+    r = torch.randn(numel, generator=gen)
+    c = r + 1e-3 * torch.randn(numel, generator=gen)
+    nan = c.clone()
+    nan[1] = float("nan")
+    same_nan = r.clone()
+    same_nan[1] = nan[1] = float("nan")
+    pairs = [
+        (r, c), (r, c.bfloat16()), (r.double(), c.double()), (r, r.clone()), (torch.zeros(numel), c),
+        (r, nan), (same_nan, nan), (r * 1e19, c * 1e19), (r * 1e30, c * 1e30),
+    ]
+    for a, b in pairs:
+        expected, got = metrics(a, b).rel_l2, rel_l2(a, b)
+        assert got == expected or (math.isnan(got) and math.isnan(expected)), (a.dtype, b.dtype, expected, got)

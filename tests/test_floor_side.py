@@ -1,0 +1,85 @@
+"""The floor side is one cast copy of the reference; an experiment that is bit for bit a call
+already made answers with that call's output, and the report is the same as when it runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from blockdiff import diff, resolve
+from blockdiff import experiments as experiments_module
+from blockdiff.sides import LiveSide, cast_copy
+from samples import bugs, tinylm
+
+
+def test_a_cast_copy_is_the_deep_copy_cast_and_leaves_the_model_alone():
+    model = tinylm.build()  # its head is tied to its embedding
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    made = cast_copy(model, torch.bfloat16, torch.device("cpu"))
+    expected = copy.deepcopy(model).to(torch.bfloat16)
+    assert made.state_dict().keys() == expected.state_dict().keys()
+    for name, t in expected.state_dict().items():
+        assert made.state_dict()[name].dtype == t.dtype and torch.equal(made.state_dict()[name], t), name
+    for name, t in model.state_dict().items():
+        assert t.dtype == before[name].dtype and torch.equal(t, before[name]), name
+    shared = _shared_parameters(model)
+    assert shared and _shared_parameters(made) == shared
+
+
+def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Names of parameters held by one object under several names (tied weights)."""
+    by_object: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_object.setdefault(id(param), []).append(name)
+    return sorted(names for names in by_object.values() if len(names) > 1)
+
+
+def test_every_floor_experiment_runs_the_one_copy():
+    model = tinylm.build()
+    side = LiveSide("reference", model, resolve(model)).in_precision(torch.bfloat16, torch.device("cpu"))
+    block = side.module("blocks.1")
+    assert side.module("blocks.1") is block and side.module("blocks.1.ffn") is block.ffn
+    assert next(block.parameters()).dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
+
+
+def _checks(report) -> list:
+    data = report.to_dict()
+    data.pop("created")
+    return data
+
+
+@pytest.mark.parametrize("candidate", ["clean", "ffn bug"])
+def test_answering_from_recorded_calls_changes_no_number_of_a_mixed_precision_diff(ids, monkeypatch, candidate):
+    """A float32 reference against a bfloat16 candidate, calibrated: with answers taken from
+    bit-identical recorded calls (the candidate's own, the free run's) the report is the
+    same, number for number, as with every experiment run; and some were answered."""
+    reference = tinylm.build()
+    cand = (tinylm.build() if candidate == "clean" else bugs.gelu_for_silu(block=2)).to(torch.bfloat16)
+    answered = {"own": 0, "free run": 0}
+    same_bits, same_call = experiments_module.same_bits, experiments_module.same_call
+
+    def counting_bits(a, b):
+        found = same_bits(a, b)
+        answered["own"] += found
+        return found
+
+    def counting_call(a, b, dtype):
+        found = same_call(a, b, dtype)
+        answered["free run"] += found
+        return found
+
+    monkeypatch.setattr(experiments_module, "same_bits", counting_bits)
+    monkeypatch.setattr(experiments_module, "same_call", counting_call)
+    reused = diff(reference, cand, ids)
+    assert answered["own"] > 0 and answered["free run"] > 0
+    monkeypatch.setattr(experiments_module, "same_bits", lambda a, b: False)
+    monkeypatch.setattr(experiments_module, "same_call", lambda a, b, dtype: False)
+    everything_run = diff(reference, cand, ids)
+    assert _checks(reused) == _checks(everything_run)
+    first = reused.first_divergence
+    if candidate == "clean":
+        assert first is None
+    else:
+        assert (first.block, first.subpath) == (2, "ffn")
