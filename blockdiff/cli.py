@@ -260,6 +260,9 @@ def diff_command(
                           (a graph exported by torch.onnx.export(..., dynamo=True) on
                           inputs shaped like --batch/--seq; README "Other runtimes")
 
+    A sharded CANDIDATE (tensor, sequence, expert or pipeline parallel) runs under a
+    launcher: every rank runs blockdiff, rank 0 reports (README "Sharded candidates").
+
     Exit code 0: no divergence; 1: divergence; 2: usage or input error.
 
     \b
@@ -273,6 +276,7 @@ def diff_command(
       blockdiff diff ref.h5 cand.h5
       blockdiff diff samples/tinylm.py:build tinylm.onnx --batch 2 --seq 16
       blockdiff diff samples/tinylm.py:build samples/bugs.py:post_norm --plot bug.png --html bug.html
+      torchrun --nproc-per-node 2 -m blockdiff diff samples/hf_llama.py:build samples/sharded.py:llama_tp
     """
     from functools import partial
 
