@@ -90,3 +90,32 @@ def test_hook_maps_are_found_after_a_non_editable_install(tmp_path):
     location, names = done.stdout.strip().splitlines()
     assert location.startswith(str(target))
     assert "'llama'" in names and "'tinylm'" in names
+
+
+def test_shard_keys_take_a_dimension(tmp_path):
+    from blockdiff.errors import HookMapError
+    from blockdiff.hookmap import load
+
+    base = (Path(__file__).resolve().parent.parent / "samples" / "tinylm_sp.toml").read_text()
+    good = tmp_path / "good.toml"
+    good.write_text(base)
+    options = load(str(good)).modules["attn_norm"]
+    assert (options.shard_input, options.shard_output) == (1, 1)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(base.replace("shard_output = 1", 'shard_output = "last"', 1))
+    with pytest.raises(HookMapError, match="shard_output must be a dimension"):
+        load(str(bad))
+
+
+def test_a_block_dict_keyed_by_index_numbers_its_blocks_by_key():
+    """A pipeline stage's share of the blocks keeps their global indices."""
+    from torch import nn
+
+    from blockdiff.hookmap import load
+
+    model = tinylm.build()
+    model.blocks = nn.ModuleDict({"2": model.blocks[2], "3": model.blocks[3]})
+    del model.embed  # held by another stage: optional in the stage's map
+    layout = resolve(model, load(str(Path(__file__).resolve().parent.parent / "samples" / "tinylm_pp.toml")))
+    assert [(b.index, b.path) for b in layout.blocks] == [(2, "blocks.2"), (3, "blocks.3")]
+    assert [stage for stage, _ in layout.outside] == ["context", "final_norm", "head"]
