@@ -41,15 +41,16 @@ import numpy as np
 from ._version import __version__
 from .dump.format import (
     FORMAT,
+    LIBVER,
     NUMPY_NATIVE_NAMES,
     RAW_BITS_UNSIGNED,
     STANDARD_ATTRIBUTES,
     _attr,
-    _crc32c,
-    _digest,
     _encode_meta,
     _Object,
     _set_attr,
+    finish_file,
+    write_array,
 )
 from .errors import DumpError
 
@@ -59,7 +60,6 @@ from .errors import DumpError
 WRITES_SCHEMA = 3
 # Dtypes stored as raw bits, by the name numpy (ml_dtypes) and torch both give them.
 _RAW_BITS_NAMES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-_LIBVER = ("v110", "v110")
 
 
 @dataclass(frozen=True)
@@ -221,13 +221,7 @@ class _Structure:
         name = f"t{self.count}"
         self.count += 1
         stored, dtype = _stored(arr)
-        dset = self.group.create_dataset(name, data=stored, chunks=stored.shape if stored.size else True)
-        attrs = {
-            "torch_dtype": _set_attr(dset.id, "torch_dtype", dtype),
-            "shape": _set_attr(dset.id, "shape", json.dumps(list(arr.shape))),
-            "crc32c": _set_attr(dset.id, "crc32c", _crc32c(stored)),
-        }
-        self.objects[f"{self.path}/{name}"] = _Object("dataset", attrs, dset.dtype.str, dset.shape)
+        self.objects[f"{self.path}/{name}"] = write_array(self.group, name, stored, dtype, list(arr.shape))
         self.shapes.append(tuple(arr.shape))
         self.dtypes.append(dtype)
         return name
@@ -288,7 +282,7 @@ class ForeignDumpWriter:
         self._objects: dict[str, _Object] = {}
         self.tmp_path = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         try:
-            self._file: h5py.File | None = h5py.File(self.tmp_path, "w", libver=_LIBVER)
+            self._file: h5py.File | None = h5py.File(self.tmp_path, "w", libver=LIBVER)
         except OSError as exc:
             raise DumpError(f"{self.path}: cannot create the dump: {exc}", path=str(self.path)) from exc
         self._sites = self._file.create_group("sites")
@@ -389,11 +383,8 @@ class ForeignDumpWriter:
                     json_keys.append(key)
             root["json_attributes"] = json.dumps(json_keys)
             stored = {key: _set_attr(f, key, value) for key, value in root.items()}
-            _set_attr(f, "metadata_digest", _digest(stored, self._objects))
-            _set_attr(f, "complete", True)
-            f.close()
             self._file = None
-            os.replace(self.tmp_path, self.path)
+            finish_file(f, stored, self._objects, self.tmp_path, self.path)
         except BaseException:
             self.abort()
             raise

@@ -28,17 +28,15 @@ from .format import (
     FORMAT,
     SCHEMA_VERSION,
     STANDARD_ATTRIBUTES,
-    _crc32c,
-    _digest,
+    LIBVER,
     _encode_meta,
     _Object,
     _set_attr,
+    finish_file,
+    write_array,
 )
 
 _COMPRESSIONS = (None, "lzf", "gzip")
-# The HDF5 1.10 file format: object headers, B-trees and chunk indexes carry checksums,
-# so libhdf5 itself rejects most damage to the file's structure.
-_LIBVER = ("v110", "v110")
 
 
 def _blockdiff_version() -> str:
@@ -69,16 +67,6 @@ def _encode_attr(key: str, value: Any) -> tuple[Any, bool]:
 
 # ---------------------------------------------------------------------------------------
 # structures
-
-
-# One chunk per tensor up to this size: fewer, larger chunks write and checksum faster.
-_CHUNK_BYTES = 256 * 2**20
-
-
-def _chunks(arr: np.ndarray) -> tuple[int, ...] | bool:
-    if arr.size == 0 or arr.nbytes > _CHUNK_BYTES:
-        return True  # h5py's automatic chunk shape
-    return arr.shape
 
 
 class _Encoder:
@@ -173,32 +161,9 @@ class _Encoder:
             raise DumpError(f"cannot store a {t.dtype} tensor: element size {t.element_size()} bytes")
         if arr.ndim == 0:
             arr = arr.reshape(1)  # HDF5 cannot chunk (or checksum) a scalar dataset
-        if not self.compression and 0 < arr.nbytes <= _CHUNK_BYTES:
-            # One chunk, no filter: written as it is, past h5py's selection and conversion
-            # (and its high-level dataset creation, a third of the cost of a small tensor).
-            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-            dcpl.set_chunk(arr.shape)
-            dcpl.set_obj_track_times(False)
-            dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # the one chunk is written at once
-            dset = h5py.h5d.create(
-                self.group.id, name.encode(), h5py.h5t.py_create(arr.dtype, logical=1),
-                h5py.h5s.create_simple(arr.shape), dcpl=dcpl,
-            )
-            dset.write_direct_chunk((0,) * arr.ndim, arr)
-        else:
-            # fletcher32 guards compressed chunks before they reach the decompressor; raw
-            # chunks are guarded by the CRC-32C alone (a second pass over the data bought nothing).
-            fletcher32 = self.checksums and bool(self.compression)
-            dset = self.group.create_dataset(
-                name, data=arr, chunks=_chunks(arr), fletcher32=fletcher32, **self.compression
-            )
-        attrs = {
-            "torch_dtype": _set_attr(dset, "torch_dtype", dtype_name(t.dtype)),
-            "shape": _set_attr(dset, "shape", json.dumps(shape)),
-        }
-        if self.checksums:
-            attrs["crc32c"] = _set_attr(dset, "crc32c", _crc32c(arr))
-        self.objects[path] = _Object("dataset", attrs, arr.dtype.str, arr.shape)
+        self.objects[path] = write_array(
+            self.group, name, arr, dtype_name(t.dtype), shape, compression=self.compression, checksums=self.checksums
+        )
         self.refs[id(original)] = name
         self._alive.append(original)
         written, key = self.written, id(original)
@@ -284,7 +249,7 @@ class DumpWriter:
 
     def _create(self) -> None:
         try:
-            self._file = h5py.File(self.tmp_path, "w", libver=_LIBVER)
+            self._file = h5py.File(self.tmp_path, "w", libver=LIBVER)
         except Exception as exc:
             self._stop_worker()
             raise DumpError(
@@ -399,13 +364,8 @@ class DumpWriter:
         try:
             self._check_meta()
             self._write_meta()
-            _set_attr(f, "metadata_digest", _digest(self._root, self._objects))
-            _set_attr(f, "complete", True)
-            f.close()
             self._file = None
-            _fsync(self.tmp_path)
-            os.replace(self.tmp_path, self.path)
-            _fsync(self.path.parent)
+            finish_file(f, self._root, self._objects, self.tmp_path, self.path)
         except BaseException as exc:
             self._abort()
             if isinstance(exc, Exception) and not isinstance(exc, DumpError):
@@ -493,20 +453,6 @@ class DumpWriter:
             del self._objects[key]
         for key in [k for k, (_, where) in self._written.items() if inside(where)]:
             del self._written[key]
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file or directory to disk, where the platform allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems cannot fsync a directory; the rename is still atomic
-    finally:
-        os.close(fd)
 
 
 def _why_not_created(folder: Path, exc: Exception) -> str:
