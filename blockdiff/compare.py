@@ -24,8 +24,8 @@ ALLCLOSE = {
 }
 
 
-# Within a sharded run (blockdiff.distributed.lockstep): the metrics every rank reports
-# for a comparison, its own or the worst rank's.
+# Within a sharded run (blockdiff.distributed.lockstep, .apart), top first: what a
+# comparison's metrics become, the worst rank's or this rank's own.
 ACROSS_RANKS: list[Callable[["Metrics"], "Metrics"]] = []
 
 

@@ -44,7 +44,6 @@ _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # The attribute a recorded tensor's layout is kept under: (device mesh, placements).
 LAYOUT_ATTR = "_blockdiff_layout"
 
-_lockstep = {"on": False}
 
 
 def launched() -> bool:
@@ -100,30 +99,52 @@ def init_from_env() -> bool:
 @contextmanager
 def lockstep() -> Iterator[bool]:
     """Within: comparisons and shortcuts agree across ranks (a no-op on one process).
-    Yields whether the run is sharded."""
+    Yields whether the run is sharded.
+
+    The state is one stack, ``compare.ACROSS_RANKS``: what a comparison's metrics become
+    (:func:`worst` in lockstep, a rank's own within :func:`apart`); its top says which."""
+    on = active()
+    if on:
+        _cpu_group()  # every rank here together: the one moment a group may be made
+    with _across_ranks(worst if on else None):
+        yield on
+
+
+@contextmanager
+def apart() -> Iterator[None]:
+    """Within: each rank works on its own (a pipeline stage judges its own blocks), its
+    comparisons its own; :func:`lockstep` again after."""
+    with _across_ranks(_own):
+        yield
+
+
+@contextmanager
+def _across_ranks(reduce: Any) -> Iterator[None]:
     from . import compare
 
-    before = _lockstep["on"]
-    _lockstep["on"] = active()
-    if _lockstep["on"]:
-        _cpu_group()  # every rank here together: the one moment a group may be made
-        compare.ACROSS_RANKS.append(worst)
+    if reduce is not None:
+        compare.ACROSS_RANKS.append(reduce)
     try:
-        yield _lockstep["on"]
+        yield
     finally:
-        if _lockstep["on"]:
+        if reduce is not None:
             compare.ACROSS_RANKS.pop()
-        _lockstep["on"] = before
+
+
+def _own(found: Metrics) -> Metrics:
+    return found
 
 
 def in_lockstep() -> bool:
-    return _lockstep["on"]
+    from . import compare
+
+    return bool(compare.ACROSS_RANKS) and compare.ACROSS_RANKS[-1] is worst
 
 
 def worst(found: Metrics) -> Metrics:
     """The metrics of the rank whose comparison is worst (largest relative L2, NaN worst of
     all): every rank gets the same verdict, so every rank runs the same experiments next."""
-    if not _lockstep["on"]:
+    if not in_lockstep():
         return found
     import torch.distributed as dist
 
@@ -134,7 +155,7 @@ def worst(found: Metrics) -> Metrics:
 
 def everywhere(flag: bool) -> bool:
     """``flag`` on every rank (a logical and over ranks)."""
-    if not _lockstep["on"]:
+    if not in_lockstep():
         return flag
     import torch.distributed as dist
 
@@ -271,23 +292,6 @@ def local_output_dim(module: torch.nn.Module, t: torch.Tensor) -> int | None:
         return None
     local, full = weight.to_local().shape[dim], weight.shape[dim]
     return -1 if t.shape[-1] == local != full else None
-
-
-@contextmanager
-def apart() -> Iterator[None]:
-    """Within: each rank works on its own (a pipeline stage judges its own blocks), its
-    comparisons its own; :func:`lockstep` again after."""
-    from . import compare
-
-    before = _lockstep["on"]
-    _lockstep["on"] = False
-    reducers = list(compare.ACROSS_RANKS)
-    compare.ACROSS_RANKS.clear()
-    try:
-        yield
-    finally:
-        compare.ACROSS_RANKS.extend(reducers)
-        _lockstep["on"] = before
 
 
 def every_rank(obj: Any) -> list[Any]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextvars
 import datetime as _dt
 import tempfile
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, Union
@@ -51,17 +51,16 @@ from .inputs import (
     random_tokens,
 )
 from .loading import is_dump
-from .compare import metrics
 from .localize import Localizer, NonfiniteScan
 from .onnxside import OnnxModel, diff_onnx, is_onnx
 from .pairing import check_block_counts
-from .report import Check, Report, SubpathResult
+from .report import Report
 from .site import describe_key
 from .sides import DumpSide, LiveSide, PipelineSide, ShardedSide, Side, compiled_code_limits, versions
 from .store import MemoryStore, release_freed_memory
 from .experiments import StoredFloors
-from .tolerance import Threshold, Tolerance, working_dtype
-from .vocab import DRIFT, REPLICAS
+from .tolerance import Tolerance, working_dtype
+from .vocab import DRIFT
 
 
 @contextmanager
@@ -620,16 +619,13 @@ def _localize(
         # Drift floors: the reference's own free run at the candidate's precision.
         record = free_run or (lambda side: _record_in_memory(side, inputs))
         localizer.experiments.free_run = record(floor)
-    # A pipeline's ranks each judge the blocks and stages they hold, apart, then share.
-    pipeline = isinstance(cand, PipelineSide)
-    with torch.inference_mode(), distributed.apart() if pipeline else nullcontext():
-        if pipeline:
-            localizer.judged_here = cand.holds
+    def judge() -> tuple[list, list]:
         stages = _run("candidate", lambda: list(localizer.stages()))
-        blocks = _run("candidate", lambda: _counted(localizer.blocks(), "localize", len(cand.layout.blocks)))
-    if pipeline:
-        stages, blocks = _every_stage(stages, blocks, localizer)
-        _handoff_checks(blocks, ref, cand, localizer)
+        return stages, _run("candidate", lambda: _counted(localizer.blocks(), "localize", len(cand.layout.blocks)))
+
+    with torch.inference_mode():
+        # The candidate's kind completes what was judged (a pipeline's ranks share theirs).
+        stages, blocks = cand.localized(localizer, judge)
     report = Report(
         reference=dict(ref.meta),
         candidate=dict(cand.meta),
@@ -643,8 +639,6 @@ def _localize(
     )
     _nonfinite_notes(report, localizer.nonfinite)
     report.notes.extend(localizer.notes)
-    if isinstance(cand, ShardedSide):
-        _replica_check(report, ref, cand, localizer.experiments.dtype)
     if rank:
         baseline = None
         if baseline_dtype is not None:
@@ -683,87 +677,6 @@ def _localize(
         )
         report.tolerance["policy"] = "fixed"
     return report
-
-
-def _every_stage(stages: list, blocks: list, localizer: Localizer) -> tuple[list, list]:
-    """What every pipeline stage judged (its own stages and blocks), on every rank, in
-    execution order: results, routing statistics, notes and non-finite values."""
-    found = distributed.every_rank((stages, blocks, localizer.moe, localizer.notes, localizer.nonfinite.found))
-    stages = sorted((s for theirs in found for s in theirs[0]), key=lambda s: s.order)  # the reference's order
-    blocks = sorted((b for theirs in found for b in theirs[1]), key=lambda b: b.index)
-    localizer.moe = sorted((m for theirs in found for m in theirs[2]), key=lambda m: m["block"])
-    localizer.notes = [note for theirs in found for note in theirs[3]]
-    for theirs in found:
-        localizer.nonfinite.merge(theirs[4])
-    return stages, blocks
-
-
-def _handoff_checks(blocks: list, ref: Side, cand: PipelineSide, localizer: Localizer) -> None:
-    """Where one pipeline stage hands the residual stream to the next (block i on one rank,
-    block i + 1 on another), what the next stage's first block received must be what the
-    stage before produced: checked (in that block's ``residual``, before its sub-paths)
-    wherever the reference hands its block output on unchanged."""
-    owner = {index: rank for rank, held in enumerate(cand.meta["stages"]) for index in held}
-    by_index = {b.index: b for b in blocks}
-    for index in sorted(owner):
-        after = index + 1
-        if after not in owner or owner[after] == owner[index] or after not in by_index:
-            continue
-        r_out, r_in = _block_site(ref, index).primary_output(), _block_site(ref, after).hidden_input()
-        c_prev, c_next = _block_site(cand, index), _block_site(cand, after)
-        c_out, c_in = c_prev.primary_output(), c_next.hidden_input()
-        at = _block_site(ref, after).order  # divergences are placed in the reference's order
-        if any(t is None for t in (r_out, r_in, c_out, c_in)) or r_out.shape != r_in.shape or not torch.equal(r_out, r_in):
-            continue
-        if c_out.shape != c_in.shape:
-            raise InputError(f"block {after} received a tensor of shape {list(c_in.shape)} from the stage before, which produced {list(c_out.shape)}")
-        dtype = localizer.experiments.dtype
-        check = Check(
-            f"input handed over from block {index} (rank {owner[index]} to rank {owner[after]})",
-            c_next.module,
-            metrics(c_out, c_in, dtype=dtype),
-            localizer.tolerance.threshold("residual", dtype, None),
-            order=at,
-        )
-        by_index[after].subpaths.setdefault("residual", SubpathResult("checked", order=at)).checks.insert(0, check)
-
-
-def _block_site(side: Side, index: int) -> Any:
-    return next(s for s in side.store.block_sites(index) if s.subpath is None)
-
-
-def _replica_check(report: Report, reference: Side, side: Side, dtype: torch.dtype) -> None:
-    """The first site whose replicas differ across ranks, judged as a divergence there (the
-    same bits are expected: the same code on the same inputs), with a note naming the ranks."""
-    store = side.store
-    sites = [*store.outside_sites(), *(s for i in store.block_indices() for s in store.block_sites(i))]
-    found = distributed.replica_disagreement(sites, dtype=dtype)
-    if found is None:
-        return
-    site, ranks, measured = found
-    # Placed in the reference's order, as every check is.
-    paired = [s for s in (reference.store.outside_sites() if site.block is None else reference.store.block_sites(site.block)) if s.key == site.key]
-    at = paired[0].order if paired else site.order
-    names = ", ".join(str(r) for r in ranks)
-    message = f"replicas disagree: rank{'s' if len(ranks) > 1 else ''} {names} differ{'' if len(ranks) > 1 else 's'} from rank 0 (rel_l2 {measured.rel_l2:.3g})"
-    check = Check(REPLICAS, site.module, measured, Threshold(0.0, "fixed"), details={"ranks": ranks, "message": message}, order=at)
-    where = describe_key(site.key)
-    if site.block is None:
-        stage = next(s for s in report.stages if s.stage == site.stage)
-        if stage.local is None or not stage.local.diverged:
-            stage.local = check
-    else:
-        block = next(b for b in report.blocks if site.module == b.module or site.module.startswith(b.module + "."))
-        subpath = {None: "residual", "router": "ffn"}.get(site.subpath, site.subpath)
-        result = block.subpaths.setdefault(subpath, SubpathResult("checked", order=at))
-        result.checks.insert(0, check)
-        if result.status != "checked":
-            result.status = "checked"
-    report.notes.insert(
-        0,
-        f"{where} ({site.module}): {message}; every rank holds this tensor whole and should compute the same "
-        "bits: blamed where the replicas first differ (later collectives mix the difference into every rank)",
-    )
 
 
 def _dump_meta(side: LiveSide, inputs: Inputs) -> dict[str, Any]:

@@ -70,12 +70,12 @@ class Localizer:
         self.moe: list[dict[str, Any]] = []  # routing statistics, one entry per MoE block
         self.nonfinite = NonfiniteScan()
         self.notes: list[str] = []  # what could not be judged, and why
-        # Which candidate sites this process judges (a pipeline stage: the blocks and stages
-        # its rank holds); None: all of them.
-        self.judged_here: Callable[[Site], bool] | None = None
+        # Which blocks (by index) and stages (by module, block None) this process judges:
+        # a pipeline stage's, the ones its rank holds; None: all of them.
+        self.judged_here: Callable[[int | None, str], bool] | None = None
 
-    def _here(self, site: Site) -> bool:
-        return self.judged_here is None or self.judged_here(site)
+    def _here(self, block: int | None, module: str = "") -> bool:
+        return self.judged_here is None or self.judged_here(block, module)
 
     def _judged(self, where: str, experiment: Callable[[], T]) -> T | None:
         """``experiment()``, or ``None`` (and a note) when a call it replays holds an
@@ -94,7 +94,7 @@ class Localizer:
         """Local errors and drift of the sites outside blocks (embed, context, final norm, head)."""
         pairs = pair_outside(self.ref.store, self.cand.store, self.ref.layout, self.cand.layout)
         for r, c in pairs:
-            if not self._here(c):
+            if not self._here(None, c.module):
                 continue
             self.nonfinite.see(r, c)
             drift = self.experiments.drift(r, c)
@@ -147,7 +147,7 @@ class Localizer:
         check_block_counts(len(ref_blocks), len(self.cand.store.block_indices()))
         streamed = not (isinstance(self.ref.store, MemoryStore) and isinstance(self.cand.store, MemoryStore))
         for index in ref_blocks:
-            if not self._here(pair_block(self.ref.store, self.cand.store, index, self.ref.layout, self.cand.layout).cand_block):
+            if not self._here(index):
                 continue
             yield self.block(index)
             if streamed:

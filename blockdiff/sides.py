@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -37,12 +37,14 @@ from torch import nn
 from . import distributed
 from .capture import Recording, record_once
 from .dtypes import dtype_name, stored_dtype
+from .compare import metrics
 from .errors import PairingError
 from .hookmap import Layout, layout_from_dict
 from .inputs import Inputs, model_device, model_dtype
 from .site import (
     SiteKey,
     Site,
+    describe_key,
     for_replay,
     hidden_location,
     iter_tensors,
@@ -55,9 +57,17 @@ from .site import (
     with_hidden,
 )
 from .store import MemoryStore, SiteStore
+from .report import BlockResult, Check, StageResult, SubpathResult
+from .tolerance import Threshold
+from .vocab import REPLICAS
+
+if TYPE_CHECKING:  # the localizer drives sides: imported for annotations only
+    from .localize import Localizer
 
 # Activations by role ("primary", "encoder_hidden_states", "arg3", ...), as Site.hidden_inputs.
 Hidden = dict[str, torch.Tensor]
+# What a localization judged: its stage results and block results, in order.
+Judged = tuple[list[StageResult], list[BlockResult]]
 # Modules frozen in a block run, by (sub-path, ordinal): (site whose output answers, site
 # whose output gives the structure and dtypes: the running side's own record).
 Frozen = dict[tuple[str, int], tuple[Site, Site]]
@@ -105,6 +115,12 @@ class Side(Protocol):
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "Side | None":
         """This side's code run in ``dtype`` on ``device`` (noise floors); ``None`` when it
         cannot run."""
+
+    def localized(self, localizer: "Localizer", judge: Callable[[], Judged]) -> Judged:
+        """The stage and block results of a localization with this side as the candidate:
+        ``judge()`` (the localizer's run), completed as this kind of side needs — what
+        other ranks judged (a pipeline stage), the replica check (a sharded model). Most
+        sides return ``judge()``."""
 
 
 def describe(model: nn.Module, layout: Layout, label: str | None) -> dict[str, Any]:
@@ -234,6 +250,9 @@ class LiveSide:
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
         return PrecisionSide(self, dtype, device)
+
+    def localized(self, localizer: "Localizer", judge: Callable[[], Judged]) -> Judged:
+        return judge()
 
     def _replay(self, call: Site, hidden: Hidden | None) -> tuple[tuple, dict]:
         """``call``'s arguments on this side's device (floating ones cast to :attr:`cast`),
@@ -461,6 +480,41 @@ class ShardedSide(LiveSide):
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
         return self._whole(path, super().call_module(path, call, hidden))
 
+    def localized(self, localizer: "Localizer", judge: Callable[[], Judged]) -> Judged:
+        """``judge()``, and the first site whose replicas differ across ranks judged as a
+        divergence there (every rank holds it whole and should compute the same bits:
+        later collectives would mix the difference into every rank), with a note."""
+        stages, blocks = judge()
+        store = self.store
+        sites = [*store.outside_sites(), *(s for i in store.block_indices() for s in store.block_sites(i))]
+        found = distributed.replica_disagreement(sites, dtype=localizer.experiments.dtype)
+        if found is None:
+            return stages, blocks
+        site, ranks, measured = found
+        names = ", ".join(str(r) for r in ranks)
+        message = (
+            f"replicas disagree: rank{'s' if len(ranks) > 1 else ''} {names} "
+            f"differ{'' if len(ranks) > 1 else 's'} from rank 0 (rel_l2 {measured.rel_l2:.3g})"
+        )
+        at = _reference_order(localizer.ref, site)
+        check = Check(REPLICAS, site.module, measured, Threshold(0.0, "fixed"), details={"ranks": ranks, "message": message}, order=at)
+        if site.block is None:
+            stage = next(s for s in stages if s.stage == site.stage)
+            if stage.local is None or not stage.local.diverged:
+                stage.local = check
+        else:
+            block = next(b for b in blocks if site.module == b.module or site.module.startswith(b.module + "."))
+            result = block.subpaths.setdefault({None: "residual", "router": "ffn"}.get(site.subpath, site.subpath), SubpathResult("checked", order=at))
+            result.checks.insert(0, check)
+            result.status = "checked"
+        localizer.notes.insert(
+            0,
+            f"{describe_key(site.key)} ({site.module}): {message}; every rank holds this tensor whole and should "
+            "compute the same bits: blamed where the replicas first differ (later collectives mix the difference "
+            "into every rank)",
+        )
+        return stages, blocks
+
     def run_block(
         self, path: str, call: Site, hidden: Hidden | None, modules: dict[str, str], frozen: Frozen | None
     ) -> tuple[torch.Tensor, dict[tuple[str, int], torch.Tensor]]:
@@ -495,9 +549,10 @@ class PipelineSide(LiveSide):
                 first.setdefault(path, rank)
         self._stages = {path for path, rank in first.items() if rank == me}
 
-    def holds(self, site: Site) -> bool:
-        """Whether this rank runs ``site``'s module (its block, or its stage's module)."""
-        return site.block in self._blocks if site.block is not None else site.module in self._stages
+    def holds(self, block: int | None, module: str) -> bool:
+        """Whether this rank judges block ``block``, or (``block`` None) the stage module
+        ``module``."""
+        return block in self._blocks if block is not None else module in self._stages
 
     def record(
         self, inputs: Inputs, store: SiteStore, *, hold: str | None, progress: Callable[[int, int], None] | None = None
@@ -510,6 +565,68 @@ class PipelineSide(LiveSide):
             store.add(site)
         self.store = store
         return recording
+
+
+    def localized(self, localizer: "Localizer", judge: Callable[[], Judged]) -> Judged:
+        """Each rank judges the blocks and stages it holds, apart from the others (their
+        experiments differ); then every rank gets what every rank judged — results, routing
+        statistics, notes, non-finite values — and the hand-overs between stages are checked."""
+        localizer.judged_here = self.holds
+        with distributed.apart():
+            stages, blocks = judge()
+        found = distributed.every_rank((stages, blocks, localizer.moe, localizer.notes, localizer.nonfinite.found))
+        stages = sorted((s for theirs in found for s in theirs[0]), key=lambda s: s.order)  # the reference's order
+        blocks = sorted((b for theirs in found for b in theirs[1]), key=lambda b: b.index)
+        localizer.moe = sorted((m for theirs in found for m in theirs[2]), key=lambda m: m["block"])
+        localizer.notes = [note for theirs in found for note in theirs[3]]
+        for theirs in found:
+            localizer.nonfinite.merge(theirs[4])
+        self._handoff_checks(blocks, localizer)
+        return stages, blocks
+
+    def _handoff_checks(self, blocks: list[BlockResult], localizer: "Localizer") -> None:
+        """Where one stage hands the residual stream to the next (block i on one rank, block
+        i + 1 on another), what the next stage's first block received must be what the
+        stage before produced: checked (in that block's ``residual``, before its sub-paths)
+        wherever the reference hands its block output on unchanged."""
+        owner = {index: rank for rank, held in enumerate(self.meta["stages"]) for index in held}
+        by_index = {b.index: b for b in blocks}
+        ref, dtype = localizer.ref, localizer.experiments.dtype
+        for index in sorted(owner):
+            after = index + 1
+            if after not in owner or owner[after] == owner[index] or after not in by_index:
+                continue
+            r_out, r_in = _block_site(ref, index).primary_output(), _block_site(ref, after).hidden_input()
+            c_prev, c_next = _block_site(self, index), _block_site(self, after)
+            c_out, c_in = c_prev.primary_output(), c_next.hidden_input()
+            if any(t is None for t in (r_out, r_in, c_out, c_in)) or r_out.shape != r_in.shape or not torch.equal(r_out, r_in):
+                continue
+            if c_out.shape != c_in.shape:
+                raise PairingError(
+                    f"block {after} received a tensor of shape {list(c_in.shape)} from the stage before, "
+                    f"which produced {list(c_out.shape)}"
+                )
+            at = _block_site(ref, after).order  # placed in the reference's order, as every check is
+            check = Check(
+                f"input handed over from block {index} (rank {owner[index]} to rank {owner[after]})",
+                c_next.module,
+                metrics(c_out, c_in, dtype=dtype),
+                localizer.tolerance.threshold("residual", dtype, None),
+                order=at,
+            )
+            by_index[after].subpaths.setdefault("residual", SubpathResult("checked", order=at)).checks.insert(0, check)
+
+
+def _block_site(side: Side, index: int) -> Site:
+    """Block ``index``'s own site (its input and output) in ``side``'s record."""
+    return next(s for s in side.store.block_sites(index) if s.subpath is None)
+
+
+def _reference_order(reference: Side, site: Site) -> float:
+    """Where the reference ran the site paired with ``site`` (checks are placed in the
+    reference's order); ``site``'s own order when the reference has none."""
+    sites = reference.store.outside_sites() if site.block is None else reference.store.block_sites(site.block)
+    return next((s.order for s in sites if s.key == site.key), site.order)
 
 
 def merged_layout(layouts: list[Layout]) -> Layout:
@@ -573,6 +690,9 @@ class DumpSide:
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> None:
         return None
+
+    def localized(self, localizer: "Localizer", judge: Callable[[], Judged]) -> Judged:
+        return judge()
 
 
 def cast_copy(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
