@@ -269,11 +269,11 @@ def capture(
         if site is None:
             return
         site.output = snapshot(output)
-        primary = primary_tensor(site.output)
-        if in_lockstep() and primary is not None:  # a local shard: recorded whole
+        if in_lockstep():  # a local shard: recorded whole
+            primary = primary_tensor(site.output)
             dim = layout.options(site.module).shard_output
-            dim = local_output_dim(module, primary) if dim is None else dim
-            if dim is not None:
+            dim = local_output_dim(module, primary) if dim is None and primary is not None else dim
+            if dim is not None and primary is not None:
                 site.output = replace_primary(site.output, declared_whole(primary, dim))
         snapshot.add(store, site, written=not isinstance(store, MemoryStore))
         if progress is not None and site.stage == "block" and site.subpath is None:

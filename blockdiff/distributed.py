@@ -34,6 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
+from . import compare
 from .compare import Metrics, metrics
 
 # Seconds a collective may wait for the other ranks before it fails (a rank stuck in a
@@ -120,8 +121,6 @@ def apart() -> Iterator[None]:
 
 @contextmanager
 def _across_ranks(reduce: Any) -> Iterator[None]:
-    from . import compare
-
     if reduce is not None:
         compare.ACROSS_RANKS.append(reduce)
     try:
@@ -136,8 +135,6 @@ def _own(found: Metrics) -> Metrics:
 
 
 def in_lockstep() -> bool:
-    from . import compare
-
     return bool(compare.ACROSS_RANKS) and compare.ACROSS_RANKS[-1] is worst
 
 
@@ -345,7 +342,8 @@ def _digest(t: torch.Tensor | None) -> str:
     if t is None:
         return ""
     data = t.detach().contiguous().cpu()
-    return hashlib.blake2b(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"", digest_size=16).hexdigest()
+    # The tensor's own bytes, read in place (no copy of the activation).
+    return hashlib.blake2b(data.view(torch.uint8).numpy() if data.numel() else b"", digest_size=16).hexdigest()
 
 
 def replica_disagreement(sites: list[Any], *, dtype: torch.dtype | None = None) -> tuple[Any, list[int], Metrics] | None:
