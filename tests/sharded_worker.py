@@ -17,7 +17,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from blockdiff import Options, RandomTokens, run
+from blockdiff import Options, RandomTokens, Report, run
 from blockdiff import distributed, hookmap
 from blockdiff.assertion import DivergenceError, assert_no_divergence
 from blockdiff.loading import build_model, is_dump
@@ -29,7 +29,10 @@ def side(spec: str, dtype: torch.dtype):
 
 def outcome(report) -> dict:
     first = report.first_divergence
+    back = Report.from_dict(json.loads(json.dumps(report.to_dict())))  # the JSON form read back
     return {
+        "round_trip": back.to_dict() == report.to_dict()
+        and (first is None or back.first_divergence.headline() == first.headline()),
         "diverged": report.diverged,
         "first": None if first is None else {
             "block": first.block, "subpath": first.subpath, "part": first.check.part,

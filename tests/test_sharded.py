@@ -151,6 +151,11 @@ def test_replicas_that_disagree_are_blamed_where_they_first_differ_naming_the_ra
     assert "replicas disagree" in found["notes"][0]
 
 
+def test_every_sharded_report_reads_back_from_its_json(outcomes):
+    # replicas checks, hand-over checks and the candidate's ranks and stages included
+    assert {name for name, found in outcomes.items() if "error" not in found and not found["round_trip"]} == set()
+
+
 def test_a_skipped_all_reduce_leaves_replicas_that_disagree_at_the_ffn(outcomes):
     first = _found(outcomes, "bug all_reduce_skipped float32")["first"]
     assert first["module"] == f"model.layers.{BLOCK}.mlp"
