@@ -310,18 +310,10 @@ def every_rank_sites(sites: list[Any]) -> list[Any]:
     rank could replay."""
     import dataclasses
 
-    from .site import Opaque
+    from .site import Opaque, map_opaque
 
-    def portable(obj: Any) -> Any:
-        if isinstance(obj, Opaque):
-            return Opaque(obj.type_name, None, cache=obj.cache)
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*(portable(v) for v in obj))
-        if isinstance(obj, (tuple, list)):
-            return type(obj)(portable(v) for v in obj)
-        if isinstance(obj, dict):
-            return {k: portable(v) for k, v in obj.items()}
-        return obj
+    def portable(obj: Any) -> Any:  # the markers without the objects they hold
+        return map_opaque(obj, lambda marker: Opaque(marker.type_name, None, cache=marker.cache))
 
     sent = [dataclasses.replace(s, args=portable(s.args), kwargs=portable(s.kwargs), output=portable(s.output)) for s in sites]
     me, found, seen = rank(), [], set()

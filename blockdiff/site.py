@@ -234,20 +234,29 @@ def for_replay(
     return _unwrap_opaque(map_structure(obj, lambda t: t if id(t) in keep else replayed_copy(t, device, dtype)))
 
 
-def _unwrap_opaque(obj: Any) -> Any:
+def map_opaque(obj: Any, fn: Callable[[Opaque], Any]) -> Any:
+    """``obj`` (a recorded structure) with every :class:`Opaque` marker replaced by
+    ``fn(marker)``; tensors and plain values as they are."""
     if isinstance(obj, Opaque):
-        if obj.cache:
-            return None
-        if obj.value is None:
-            raise NotReplayable(obj.type_name)
-        return obj.value
+        return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_unwrap_opaque(v) for v in obj))
+        return type(obj)(*(map_opaque(v, fn) for v in obj))
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_unwrap_opaque(v) for v in obj)
+        return type(obj)(map_opaque(v, fn) for v in obj)
     if isinstance(obj, dict):
-        return {k: _unwrap_opaque(v) for k, v in obj.items()}
+        return {k: map_opaque(v, fn) for k, v in obj.items()}
     return obj
+
+
+def _unwrap_opaque(obj: Any) -> Any:
+    def unwrap(marker: Opaque) -> Any:
+        if marker.cache:
+            return None
+        if marker.value is None:
+            raise NotReplayable(marker.type_name)
+        return marker.value
+
+    return map_opaque(obj, unwrap)
 
 
 def primary_tensor(obj: Any) -> torch.Tensor | None:
