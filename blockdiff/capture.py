@@ -23,7 +23,7 @@ from torch import nn
 from .distributed import declared_whole, in_lockstep, is_distributed, local_output_dim
 from .hookmap import Layout
 from .inputs import run_model
-from .errors import BlockdiffError
+from .errors import TensorChanged
 from .site import Site, hidden_location, iter_tensors, map_structure, primary_tensor, recorded_copy, replace_primary, with_hidden
 from .store import MemoryStore, SiteStore
 
@@ -42,7 +42,8 @@ class Snapshots:
     it had. :meth:`changed` says whether any of them was modified in place since it was
     recorded; if none was, the aliases hold exactly what the hooks saw. ``"kept"`` (a
     store in memory) checks once the forward is over; ``"written"`` (a dump) checks each
-    site's tensors just before the store writes them, and forgets them once written.
+    site's tensors as it hands them to the store and forgets them after: the dump writer
+    checks them again once its thread has copied their bytes (:class:`~blockdiff.dump.DumpWriter`).
     """
 
     def __init__(self, *, by_reference: str | None = None, device_copies: "DeviceCopies | None" = None) -> None:
@@ -98,7 +99,7 @@ class Snapshots:
         if any(alias._version != version for alias, version in mine):
             raise TensorChanged(f"{site.label}: a tensor it recorded was changed in place before it was written")
         store.add(site)
-        for alias, _ in mine:  # written: later changes no longer matter
+        for alias, _ in mine:  # handed over: the dump writer checks them from here
             self._held.pop(id(alias), None)
 
     def finish(self) -> None:
@@ -186,10 +187,6 @@ class DeviceCopies:
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
-
-
-class TensorChanged(BlockdiffError):
-    """A tensor recorded by reference changed before it was written: capture again with copies."""
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -412,8 +409,9 @@ def record_once(
         hold: how CPU tensors reach the store. ``None``: copies. ``"kept"`` (a store in
             memory): the model's own tensors, checked after the forward; a change raises
             :class:`TensorChanged`, and ``Recording.changed()`` checks again later.
-            ``"written"`` (a dump): the model's own tensors, each site's checked just
-            before it is written (a change raises :class:`TensorChanged`). A copy of every
+            ``"written"`` (a dump): the model's own tensors, each site's checked as it is
+            handed to the dump and again once the dump's thread copied it (a change raises
+            :class:`TensorChanged`, at the latest when the dump closes). A copy of every
             activation cost a tenth of the forward.
         progress: ``progress(done, total)`` per finished block.
 

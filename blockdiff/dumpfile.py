@@ -50,6 +50,8 @@ from .dump.format import (
     _Object,
     _set_attr,
     finish_file,
+    read_index,
+    read_packed,
     write_array,
 )
 from .errors import DumpError
@@ -100,18 +102,19 @@ def _open_reference(path: str | os.PathLike) -> h5py.File:
         found = _attr(f, "format") if "format" in f.attrs else None
     except (ValueError, OSError):
         found = None
-    if found != FORMAT or "sites" not in f:
+    if found != FORMAT or ("sites" not in f and "index" not in f):
         f.close()
         raise DumpError(f"{path} is not a blockdiff dump", path=str(path))
     return f
 
 
-def _tensor_refs(node: Any) -> Iterator[str]:
-    """The dataset names a structure node mentions, in order."""
+def _tensor_refs(node: Any) -> Iterator[Any]:
+    """The tensor references a structure node mentions, in order (dataset names before
+    schema 4, positions in the index's ``tensors`` after)."""
     if not isinstance(node, dict):
         return
     if node.get("type") == "tensor":
-        yield str(node["ref"])
+        yield node["ref"]
     for item in node.get("items", ()):
         for part in item if isinstance(item, list) else [item]:
             yield from _tensor_refs(part)
@@ -123,17 +126,27 @@ def reference_sites(path: str | os.PathLike) -> list[ReferenceSite]:
     Read with plain h5py (the file's checksums are checked when ``blockdiff diff`` reads
     it). Raises :class:`~blockdiff.errors.DumpError` for a file that is not a dump.
     """
+    found = []
     with _open_reference(path) as f:
-        found = []
-        for group in f["sites"].values():
-            structure = json.loads(_attr(group, "structure"))
-            shapes = tuple(
-                tuple(json.loads(_attr(group[ref], "shape"))) for ref in _tensor_refs(structure["output"])
-            )
-            text = {key: str(_attr(group, key)) for key in ("stage", "subpath", "module")}
-            number = {key: int(_attr(group, key)) for key in ("block", "call", "ordinal", "order")}
-            found.append(ReferenceSite(**text, **number, outputs=shapes))
+        if "index" in f:  # schema 4: the JSON index
+            index, _ = read_index(f)
+            for record in index["sites"]:
+                shapes = tuple(tuple(index["tensors"][ref]["shape"]) for ref in _tensor_refs(record["structure"]["output"]))
+                found.append(_reference_site(record, shapes))
+        else:  # a group per site
+            for group in f["sites"].values():
+                structure = json.loads(_attr(group, "structure"))
+                shapes = tuple(
+                    tuple(json.loads(_attr(group[ref], "shape"))) for ref in _tensor_refs(structure["output"])
+                )
+                found.append(_reference_site({key: _attr(group, key) for key in group.attrs}, shapes))
     return sorted(found, key=lambda s: s.order)
+
+
+def _reference_site(record: dict[str, Any], shapes: tuple) -> ReferenceSite:
+    text = {key: str(record[key]) for key in ("stage", "subpath", "module")}
+    number = {key: int(record[key]) for key in ("block", "call", "ordinal", "order")}
+    return ReferenceSite(**text, **number, outputs=shapes)
 
 
 def reference_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -149,28 +162,43 @@ def reference_inputs(path: str | os.PathLike) -> Any:
     """The model inputs the reference ran on (token ids as an int64 array; a tuple or dict
     of them when the model took several), or ``None`` when the dump has none."""
     with _open_reference(path) as f:
+        if "index" in f:
+            index, _ = read_index(f)
+            if index.get("inputs") is None:
+                return None
+
+            def load(ref: int) -> np.ndarray:
+                entry = index["tensors"][ref]
+                dset = f["tensors"][entry["data"]]
+                return read_packed(dset, entry, dset.dtype).reshape(entry["shape"])
+
+            return _decode(index["inputs"], load)
         if "inputs" not in f:
             return None
         group = f["inputs"]
-        return _decode(json.loads(_attr(group, "structure")), group)
+
+        def load_dataset(ref: str) -> np.ndarray:
+            dset = group[ref]
+            return dset[()].reshape(json.loads(_attr(dset, "shape")))
+
+        return _decode(json.loads(_attr(group, "structure")), load_dataset)
 
 
-def _decode(node: dict[str, Any], group: h5py.Group) -> Any:
+def _decode(node: dict[str, Any], load: Any) -> Any:
+    """A structure node as numpy values: ``load(ref)`` reads a tensor (raw-bits dtypes come
+    back as their unsigned bits)."""
     kind = node["type"]
     if kind == "tensor":
-        dset = group[node["ref"]]
-        arr = dset[()]
-        shape = json.loads(_attr(dset, "shape"))
-        return arr.reshape(shape)  # raw-bits dtypes come back as their unsigned bits
+        return load(node["ref"])
     if kind in ("bool", "int", "str"):
         return node["value"]
     if kind == "float":
         return float(node["value"])
     if kind in ("tuple", "list"):
-        items = [_decode(item, group) for item in node["items"]]
+        items = [_decode(item, load) for item in node["items"]]
         return tuple(items) if kind == "tuple" else items
     if kind == "dict":
-        return {_decode(k, group): _decode(v, group) for k, v in node["items"]}
+        return {_decode(k, load): _decode(v, load) for k, v in node["items"]}
     return None  # none, and what only torch knows (dtype, device, opaque)
 
 

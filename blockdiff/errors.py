@@ -75,6 +75,10 @@ class ShapeMismatchError(PairingError):
         self.candidate = candidate
 
 
+class TensorChanged(BlockdiffError):
+    """A tensor recorded by reference changed before it was written: capture again with copies."""
+
+
 class DumpError(BlockdiffError):
     """An HDF5 dump cannot be read or written."""
 

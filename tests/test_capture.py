@@ -75,13 +75,15 @@ def test_a_dump_holds_what_the_hooks_saw_when_the_model_changes_tensors_in_place
     def sites(store, index):
         return {(s.subpath, s.ordinal): s for s in store.block_sites(index)}
 
-    # Block 1 adds 1 to its input: block 0's output, already written. Nothing to redo.
+    # Block 1 adds 1 to its input: block 0's output, already handed to the dump writer.
+    # Written before the change (nothing to redo), or the writer sees its version counter
+    # move and the capture runs again with copies: which one is up to the writer's thread.
     model = tinylm.build()
     calls = _adding_in_place(model, 1)
     copied = _copied(model, ids)
     calls.clear()
     capture_dump(model, ids, tmp_path / "a.h5")
-    assert len(calls) == 1
+    assert len(calls) in (1, 2)
     # Block 2's FFN norm scales its input in place before its site is written: the dump
     # is captured again, with copies.
     norm = model.blocks[2].ffn_norm

@@ -247,7 +247,7 @@ def test_meta_round_trips_with_standard_attributes(tmp_path):
     for key, value in META.items():
         assert meta[key] == value
     assert meta["format"] == "blockdiff.dump"
-    assert meta["schema_version"] == 3
+    assert meta["schema_version"] == 4
     assert meta["complete"] is True
     assert meta["torch_version"] == torch.__version__
     assert isinstance(meta["blockdiff_version"], str) and meta["blockdiff_version"]
@@ -260,9 +260,9 @@ def test_compression_round_trips(tmp_path, compress):
     tensors = _tensors()
     path = _write(tmp_path / "d.h5", [_site(args=tuple(tensors.values()))], compress=compress)
     with h5py.File(path, "r") as f:
-        dset = f["sites/000000/t0"]
-        assert dset.compression == compress
-        assert dset.fletcher32
+        for dset in f["tensors"].values():
+            assert dset.compression == compress
+            assert dset.fletcher32
     with DumpReader(path) as dump:
         (site,) = dump.sites()
     for got, want in zip(site.args, tensors.values()):
@@ -285,40 +285,67 @@ def test_verify_all_counts_everything(tmp_path):
 def test_plain_h5py_reads_the_dump(tmp_path):
     tensors = _tensors()
     path = _write(tmp_path / "d.h5", _model_sites() + [_site(args=(tensors["bf16"],), output=tensors["f32"])])
-    # Only h5py, numpy, json and google-crc32c from here: what someone without blockdiff has.
-    # Strings are fixed-length UTF-8, which h5py reads as bytes.
+    # Only h5py, numpy, json and google-crc32c from here, following docs/dump-format.md:
+    # what someone without blockdiff has. Strings are fixed-length UTF-8 (bytes in h5py).
     def text(attrs, name):
         return attrs[name].decode("utf-8")
 
     with h5py.File(path, "r") as f:
         assert text(f.attrs, "format") == "blockdiff.dump"
-        assert f.attrs["schema_version"] == 3
+        assert f.attrs["schema_version"] == 4
         assert bool(f.attrs["complete"]) is True
         assert text(f.attrs, "model") == META["model"]
         assert f.attrs["layers"] == 2
         assert json.loads(text(f.attrs, "config")) == META["config"]
-        names = list(f["sites"])
-        assert names == sorted(names) and len(names) == 14
-        embed = f["sites"][names[0]].attrs
-        assert [embed["block"]] + [text(embed, k) for k in ("stage", "subpath", "module")] == [
-            -1, "embed", "", "embed_tokens"
+        raw = f["index"][()]
+        assert format(google_crc32c.value(raw), "08x") == text(f["index"].attrs, "crc32c")
+        index = json.loads(raw)
+
+        def array(ref):
+            t = index["tensors"][ref]
+            data = f["tensors"][t["data"]][t["offset"] : t["offset"] + t["count"]]
+            assert format(google_crc32c.value(data.tobytes()), "08x") == t["crc32c"]
+            return t, data.reshape(t["shape"])
+
+        sites = index["sites"]
+        assert len(sites) == 14
+        embed = sites[0]
+        assert [embed[k] for k in ("block", "stage", "subpath", "module")] == [-1, "embed", "", "embed_tokens"]
+        attn = sites[2]
+        assert [attn[k] for k in ("block", "stage", "subpath", "module", "order")] == [
+            0, "block", "attention", "layers.0.attention.0", 3
         ]
-        attn = f["sites"][names[2]].attrs
-        assert [attn["block"]] + [text(attn, k) for k in ("stage", "subpath", "module")] == [
-            0, "block", "attention", "layers.0.attention.0"
-        ]
-        last = f["sites"][names[-1]]
-        structure = json.loads(text(last.attrs, "structure"))
-        ref = structure["args"]["items"][0]["ref"]
-        bf16 = last[ref]
-        assert text(bf16.attrs, "torch_dtype") == "bfloat16"
-        assert bf16.dtype == np.uint16
-        bits = bf16[()]
-        assert format(google_crc32c.value(bits.tobytes()), "08x") == text(bf16.attrs, "crc32c")
+        t, x = array(attn["structure"]["args"]["items"][0]["ref"])
+        assert t["dtype"] == "float32" and x.dtype == np.float32 and x.shape == (6, 4)
+        assert np.array_equal(x, _model_sites()[2].args[0].numpy())
+        last = sites[-1]["structure"]
+        t, bits = array(last["args"]["items"][0]["ref"])
+        assert t["dtype"] == "bfloat16" and t["data"] == "uint16" and bits.dtype == np.uint16
         assert np.array_equal(bits, tensors["bf16"].view(torch.int16).numpy().view(np.uint16))
-        out = last[structure["output"]["ref"]]
-        assert text(out.attrs, "torch_dtype") == "float32" and out.dtype == np.float32
-        assert np.array_equal(out[()].view(np.uint32), tensors["f32"].numpy().view(np.uint32))
+        t, out = array(last["output"]["ref"])
+        assert t["dtype"] == "float32" and out.dtype == np.float32
+        assert np.array_equal(out.view(np.uint32), tensors["f32"].numpy().view(np.uint32))
+        # Every element of the packed datasets belongs to exactly one tensor.
+        for name, dset in f["tensors"].items():
+            spans = sorted((t["offset"], t["count"]) for t in index["tensors"] if t["data"] == name)
+            assert spans[0][0] == 0 and sum(c for _, c in spans) == dset.shape[0]
+            assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+
+
+def test_a_tensor_shared_by_two_sites_is_stored_once(tmp_path):
+    sites = _model_sites()
+    shared = sites[-2].output
+    sites[-1].args = (shared,)  # the final norm's output is the head's input
+    path = _write(tmp_path / "d.h5", sites)
+    with h5py.File(path, "r") as f:
+        index = json.loads(f["index"][()])
+    head, norm = index["sites"][-1]["structure"], index["sites"][-2]["structure"]
+    assert head["args"]["items"][0]["ref"] == norm["output"]["ref"]
+    assert len(index["tensors"]) == 2 * len(sites) - 1
+    with DumpReader(path) as dump:
+        *_, norm_site, head_site = dump.sites()
+        _assert_same_tensor(head_site.args[0], shared)
+        _assert_same_tensor(norm_site.output, shared)
 
 
 # --------------------------------------------------------------------------- atomic writes
@@ -418,8 +445,8 @@ def test_foreign_hdf5(tmp_path):
 
 def test_newer_schema_version(dump_path):
     with h5py.File(dump_path, "r+") as f:
-        f.attrs["schema_version"] = 4
-    with pytest.raises(DumpError, match="has schema version 4; this blockdiff reads up to 3: upgrade blockdiff"):
+        f.attrs["schema_version"] = 5
+    with pytest.raises(DumpError, match="has schema version 5; this blockdiff reads up to 4: upgrade blockdiff"):
         DumpReader(dump_path)
 
 
@@ -439,31 +466,39 @@ def test_truncated_file(dump_path):
     assert info.value.path == str(dump_path)
 
 
+def _entry(f: h5py.File, site: int, part: str = "output") -> tuple[int, dict]:
+    """The index entry of site ``site``'s output (or first argument): its ref and entry."""
+    index = json.loads(f["index"][()])
+    node = index["sites"][site]["structure"][part]
+    ref = node["ref"] if part == "output" else node["items"][0]["ref"]
+    return ref, index["tensors"][ref]
+
+
 def test_flipped_byte_in_tensor_data_names_the_site(dump_path):
     with h5py.File(dump_path, "r") as f:
-        dset = f["sites/000004/t0"]  # block 0 ffn
-        offset = dset.id.get_chunk_info(0).byte_offset + 5
+        _, entry = _entry(f, 4, "args")  # block 0 ffn
+        dset = f["tensors"][entry["data"]]
+        offset = dset.id.get_chunk_info(0).byte_offset + entry["offset"] * 4 + 5
     _flip_byte(dump_path, offset)
     with DumpReader(dump_path) as dump:
         dump.block_sites(1)  # other blocks still read
-        with pytest.raises(DumpError, match=r"d\.h5: site /sites/000004 \(block 0 ffn, layers\.0\.ffn\.0\)") as info:
+        with pytest.raises(DumpError, match=r"d\.h5: site sites\[4\] \(block 0 ffn, layers\.0\.ffn\.0\)") as info:
             dump.block_sites(0)
-        assert info.value.site.startswith("/sites/000004")
-        with pytest.raises(DumpError, match="/sites/000004"):
+        assert info.value.site.startswith("sites[4]")
+        with pytest.raises(DumpError, match=r"sites\[4\]"):
             dump.verify_all()
 
 
 def test_changed_tensor_data_fails_digest(dump_path):
-    # Rewritten through HDF5, so fletcher32 is recomputed: only the crc32c catches it.
+    # Rewritten through HDF5: only the tensor's CRC-32C catches it.
     with h5py.File(dump_path, "r+") as f:
-        dset = f["sites/000003/t1"]
-        data = dset[()]
-        data[0, 0] = np.nextafter(data[0, 0], np.float32(np.inf))
-        dset[...] = data
+        ref, entry = _entry(f, 3)
+        dset = f["tensors"][entry["data"]]
+        dset[entry["offset"]] = np.nextafter(dset[entry["offset"]], np.float32(np.inf))
     with DumpReader(dump_path) as dump:
-        with pytest.raises(DumpError, match=r"site /sites/000003 .*tensor t1 digest mismatch: the file is damaged"):
+        with pytest.raises(DumpError, match=rf"site sites\[3\] .*tensor {ref} digest mismatch: the file is damaged"):
             dump.block_sites(0)
-        with pytest.raises(DumpError, match="/sites/000003"):
+        with pytest.raises(DumpError, match=r"sites\[3\]"):
             dump.verify_all()
     with DumpReader(dump_path, verify=False) as dump:
         assert len(dump.block_sites(0)) == 5
@@ -478,67 +513,150 @@ def _resign(f: h5py.File) -> None:
     f.attrs["complete"] = True
 
 
-def test_schema_2_dump_without_floors_is_still_read(dump_path):
-    # blockdiff 0.2 wrote schema 2: schema 3 adds the optional /floors group.
-    with h5py.File(dump_path, "r+") as f:
+SCHEMA_3 = ROOT / "tests" / "data" / "schema3.h5"  # written by blockdiff 0.3's DumpWriter
+
+
+@pytest.fixture
+def schema3_path(tmp_path) -> Path:
+    path = tmp_path / "d3.h5"
+    path.write_bytes(SCHEMA_3.read_bytes())
+    return path
+
+
+def test_schema_3_dump_is_still_read(schema3_path):
+    # blockdiff 0.3 wrote a group per site, a dataset per tensor, hard links for shared ones.
+    tensors = _tensors()
+    with DumpReader(schema3_path) as dump:
+        assert dump.meta["schema_version"] == 3
+        assert dump.verify_all().sites == 14
+        sites = dump.sites()
+        _assert_same_tensor(dump.inputs(), torch.arange(6).reshape(1, 6))
+    want = _model_sites()
+    for got, site in zip(sites, sorted(want, key=lambda s: s.order)):
+        assert (got.key, got.module, got.order) == (site.key, site.module, site.order)
+    norm, head = (s for s in sites if s.stage in ("final_norm", "head"))
+    _assert_same_tensor(head.args[0], norm.output)  # a hard link in the file
+    last = sites[-1]
+    assert last.module == "layers.1.ffn.1"
+    for got, name in zip(last.args, ("bf16", "scalar", "empty_bf16")):
+        _assert_same_tensor(got, tensors[name])
+    _assert_same_tensor(last.output, tensors["f8e4m3"])
+
+
+def test_schema_3_damage_names_the_site_group(schema3_path):
+    with h5py.File(schema3_path, "r+") as f:
+        dset = f["sites/000003/t1"]
+        dset[0, 0] = np.nextafter(dset[0, 0], np.float32(np.inf))
+    with DumpReader(schema3_path) as dump:
+        with pytest.raises(DumpError, match=r"site /sites/000003 .*tensor t1 digest mismatch: the file is damaged"):
+            dump.block_sites(0)
+
+
+def test_schema_2_dump_without_floors_is_still_read(schema3_path):
+    # blockdiff 0.2 wrote schema 2: schema 3 added the optional /floors group.
+    with h5py.File(schema3_path, "r+") as f:
         f.attrs["schema_version"] = 2
         _resign(f)
-    with DumpReader(dump_path) as dump:
+    with DumpReader(schema3_path) as dump:
         assert dump.meta["schema_version"] == 2
         assert dump.floors() == {}
         assert dump.verify_all().tensors > 0
 
 
-def test_schema_1_dump_with_zlib_crc32_is_still_read_and_verified(dump_path):
+def test_schema_1_dump_with_zlib_crc32_is_still_read_and_verified(schema3_path):
     # blockdiff 0.1 wrote schema 1: the same layout with zlib's CRC-32 in ``crc32``.
-    with h5py.File(dump_path, "r+") as f:
+    with h5py.File(schema3_path, "r+") as f:
         datasets = []
         f.visititems(lambda name, obj: datasets.append(obj) if isinstance(obj, h5py.Dataset) else None)
         for dset in datasets:
-            del dset.attrs["crc32c"]
-            crc = format(zlib.crc32(dset[()].tobytes()), "08x").encode()
-            dset.attrs.create("crc32", np.array(crc, dtype=h5py.string_dtype("utf-8", 8)))
+            if "crc32c" in dset.attrs:  # a hard-linked dataset is visited once
+                del dset.attrs["crc32c"]
+                crc = format(zlib.crc32(dset[()].tobytes()), "08x").encode()
+                dset.attrs.create("crc32", np.array(crc, dtype=h5py.string_dtype("utf-8", 8)))
         f.attrs["schema_version"] = 1
         _resign(f)
-    with DumpReader(dump_path) as dump:
+    with DumpReader(schema3_path) as dump:
         assert dump.meta["schema_version"] == 1
         assert dump.verify_all().tensors > 0
         assert len(dump.block_sites(0)) == 5
-    with h5py.File(dump_path, "r+") as f:
+    with h5py.File(schema3_path, "r+") as f:
         dset = f["sites/000003/t1"]
         dset[0, 0] = np.nextafter(dset[0, 0], np.float32(np.inf))
-    with DumpReader(dump_path) as dump:
+    with DumpReader(schema3_path) as dump:
         with pytest.raises(DumpError, match=r"site /sites/000003 .*tensor t1 digest mismatch: the file is damaged"):
             dump.block_sites(0)
 
 
-def test_changed_attribute_fails_metadata_digest(dump_path):
+def _rewrite_index(f: h5py.File, index: dict, *, crc: bool = True) -> None:
+    """Replace /index with ``index`` (and, with ``crc``, its matching checksum)."""
+    data = json.dumps(index).encode()
+    old_crc = f["index"].attrs["crc32c"]
+    del f["index"]
+    f["index"] = np.array(data, dtype=f"S{len(data)}")
+    new = format(google_crc32c.value(data), "08x").encode() if crc else old_crc
+    f["index"].attrs.create("crc32c", np.array(new, dtype=h5py.string_dtype("utf-8", 8)))
+
+
+def test_changed_attribute_or_index_fails_its_digest(dump_path, tmp_path):
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(dump_path.read_bytes())
     with h5py.File(dump_path, "r+") as f:
-        f["sites/000002"].attrs["module"] = "layers.0.mlp"
+        f.attrs["model"] = "samples/tiny.py:other"
     with pytest.raises(DumpError, match="metadata digest mismatch: the file is damaged"):
         DumpReader(dump_path)
+    # The index changed without its checksum: refused; with it, the digest covers the checksum.
+    with h5py.File(copy, "r+") as f:
+        index = json.loads(f["index"][()])
+        index["sites"][2]["module"] = "layers.0.mlp"
+        _rewrite_index(f, index, crc=False)
+        _resign(f)
+    with pytest.raises(DumpError, match="is damaged: ValueError: /index digest mismatch"):
+        DumpReader(copy)
+    with h5py.File(copy, "r+") as f:
+        _rewrite_index(f, index)
+    with pytest.raises(DumpError, match="metadata digest mismatch: the file is damaged"):
+        DumpReader(copy)
 
 
 def test_flipped_byte_in_site_name_is_detected(dump_path):
     data = dump_path.read_bytes()
-    offset = data.index(b"000004")
-    dump_path.write_bytes(data[:offset] + b"000094" + data[offset + 6 :])
+    offset = data.index(b'"layers.0.ffn.0"')
+    dump_path.write_bytes(data[:offset] + b'"layers.0.ffn.9"' + data[offset + 16 :])
     with pytest.raises(DumpError, match="d.h5"):
         with DumpReader(dump_path) as dump:
             dump.verify_all()
 
 
-def test_damaged_structure_json_is_a_dump_error(dump_path):
+def test_damaged_index_is_a_dump_error(dump_path, tmp_path):
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(dump_path.read_bytes())
+    # Past every checksum (a file re-signed by hand): bad JSON is a DumpError for the file,
     with h5py.File(dump_path, "r+") as f:
-        f["sites/000001"].attrs["structure"] = '{"args": {"type": "tuple", "items": [{"type": "tensor"'
-    with pytest.raises(DumpError, match="metadata digest mismatch"):
-        DumpReader(dump_path)
-    # Even past the digest (a file re-signed by hand), bad JSON is a DumpError naming the site.
-    with h5py.File(dump_path, "r+") as f:
+        raw = f["index"][()].decode()
+        del f["index"]
+        broken = raw[: len(raw) // 2].encode()
+        f["index"] = np.array(broken, dtype=f"S{len(broken)}")
+        f["index"].attrs.create("crc32c", np.array(format(google_crc32c.value(broken), "08x").encode(), dtype=h5py.string_dtype("utf-8", 8)))
         _resign(f)
-    with DumpReader(dump_path) as dump:
-        with pytest.raises(DumpError, match=r"site /sites/000001 .*JSONDecodeError"):
+    with pytest.raises(DumpError, match=r"d\.h5 is damaged: JSONDecodeError"):
+        DumpReader(dump_path)
+    # a reference to no tensor a DumpError naming the site,
+    with h5py.File(copy, "r+") as f:
+        index = json.loads(f["index"][()])
+        index["sites"][1]["structure"]["output"]["ref"] = 999
+        _rewrite_index(f, index)
+        _resign(f)
+    with DumpReader(copy) as dump:
+        with pytest.raises(DumpError, match=r"site sites\[1\] .*tensor 999 is not in the index"):
             dump.block_sites(0)
+    # and entries that do not tile the packed data refuse the file.
+    with h5py.File(copy, "r+") as f:
+        index = json.loads(f["index"][()])
+        index["tensors"][3]["offset"] += 1
+        _rewrite_index(f, index)
+        _resign(f)
+    with pytest.raises(DumpError, match="the index does not tile it"):
+        DumpReader(copy)
 
 
 # --------------------------------------------------------------------------- writer misuse
@@ -595,7 +713,7 @@ def test_flipped_metadata_bytes_never_pass_silently(tmp_path):
                 (obj.id.get_chunk_info(i).byte_offset, obj.id.get_chunk_info(i).size)
                 for i in range(obj.id.get_num_chunks())
             )
-            if isinstance(obj, h5py.Dataset)
+            if isinstance(obj, h5py.Dataset) and obj.chunks
             else None
         )
     in_data = np.zeros(path.stat().st_size, dtype=bool)

@@ -80,6 +80,17 @@ def test_reference_helpers_list_sites_inputs_and_meta(reference: Path):
     assert reference_meta(reference)["layout"]["blocks"][0]["subpaths"]["attention"] == ["blocks.0.attn"]
 
 
+def test_reference_helpers_read_a_schema_3_dump_too():
+    # tests/data/schema3.h5: written by blockdiff 0.3 (a group per site).
+    path = ROOT / "tests" / "data" / "schema3.h5"
+    sites = reference_sites(path)
+    assert [s.order for s in sites] == sorted(s.order for s in sites) and len(sites) == 14
+    head = next(s for s in sites if s.stage == "head")
+    assert (head.module, head.outputs) == ("lm_head", ((6, 9),))
+    assert reference_inputs(path).tolist() == [list(range(6))]
+    assert reference_meta(path)["schema_version"] == 3
+
+
 def test_foreign_dump_reads_back_through_blockdiffs_reader(reference: Path, outputs: dict, tmp_path: Path):
     path = write(tmp_path / "foreign.h5", reference, outputs)
     with DumpReader(path) as dump, DumpReader(reference) as ref:

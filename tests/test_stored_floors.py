@@ -106,7 +106,7 @@ def test_capture_floors_through_the_cli(tmp_path, capsys):
     code, _, err = run_cli(["capture", "samples/tinylm.py:build", "--out", str(golden), "--floors", "bfloat16,float16@cpu"], capsys)
     assert code == 0, err
     with DumpReader(golden) as dump:
-        assert dump.meta["schema_version"] == 3
+        assert dump.meta["schema_version"] == 4
         assert set(dump.floors()) == {"bfloat16@cpu", "float16@cpu"}
     args = ["diff", str(golden), "samples/bugs.py:gelu_for_silu", "--cand-dtype", "bfloat16", "--json", str(tmp_path / "r.json")]
     code, out, _ = run_cli(args, capsys)

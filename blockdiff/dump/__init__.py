@@ -2,21 +2,21 @@
 
 Capture streams sites into a :class:`DumpWriter`; localization (or a person with plain
 h5py / h5dump) reads them back with :class:`DumpReader`, one block at a time. The format
-is schema v2, documented in ``docs/dump-format.md``:
+is schema 4, documented in ``docs/dump-format.md``:
 
 - file attributes: ``format`` (``"blockdiff.dump"``), ``schema_version``, versions,
   creation time, the capture's ``meta``, a ``metadata_digest`` and ``complete`` (last);
-- ``/sites/NNNNNN``: one group per site in execution order, its metadata as attributes,
-  its ``args``/``kwargs``/``output`` as a JSON ``structure`` attribute whose tensors are
-  the group's datasets ``t0``, ``t1``, ...;
-- ``/inputs``: the model inputs of the run, encoded the same way.
+- ``/tensors/<dtype>``: the elements of every tensor, appended to one 1-D dataset per
+  stored dtype;
+- ``/index``: one JSON document: each tensor's dataset, offset, count, dtype, shape and
+  CRC-32C; each site's stage, block, sub-path, module, order and ``args``/``kwargs``/
+  ``output`` structure; the model inputs and noise floors of the run.
 
 Tensors are stored losslessly: dtypes numpy has as themselves, the others (bfloat16,
-float8, ...) as raw bits with the torch dtype named in the ``torch_dtype`` attribute.
-Every tensor dataset is chunked (compressed ones with HDF5's fletcher32 filter too) and
-carries a CRC-32C of its bytes, checked on read. A dump is written under a temporary name and renamed only after a
-clean close, so a file at the final path is always complete. Reading never raises
-anything but :class:`~blockdiff.errors.DumpError` for a damaged or foreign file.
+float8, ...) as raw bits with the torch dtype named in the index. A dump is written under
+a temporary name and renamed only after a clean close, so a file at the final path is
+always complete. Dumps of schema 1-3 (a group per site) are still read. Reading never
+raises anything but :class:`~blockdiff.errors.DumpError` for a damaged or foreign file.
 
 The package, by role: :mod:`.format` (format name, schema version, dtype encodings,
 checksums, attributes and the metadata digest), :mod:`.writer` (:class:`DumpWriter`),

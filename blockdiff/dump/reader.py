@@ -1,7 +1,8 @@
 """The read side of a dump: :class:`DumpReader` hands localization one block at a time.
 
 Opening validates the file (probe, format, schema, ``complete``, metadata digest) and
-indexes the sites from their attributes (:class:`_Entry`); a site's tensors are decoded
+indexes the sites (:class:`_Entry`): from the JSON index of a packed dump (schema 4), from
+the site groups' attributes of an older one; a site's tensors are decoded
 (:class:`_Decoder`) and checked against their checksums only when it is asked for.
 """
 
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import h5py
 import numpy as np
@@ -28,6 +30,7 @@ from .format import (
     _NUMPY_NATIVE,
     _RAW_BITS,
     FORMAT,
+    PACKED_SCHEMA,
     SCHEMA_VERSION,
     _attr,
     _attributes,
@@ -35,6 +38,9 @@ from .format import (
     _digest,
     _Object,
     _objects,
+    check_packing,
+    read_index,
+    read_packed,
 )
 from .probe import probe_file
 
@@ -47,14 +53,13 @@ _DATASET_CLASSES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.ENUM, h5py.h5t.CO
 
 
 class _Decoder:
-    """Rebuilds a structure from JSON nodes, reading tensors from ``group``."""
+    """Rebuilds a structure from JSON nodes; ``load(ref, verify)`` reads one tensor (from
+    a packed dataset, or from a site group's dataset in dumps before schema 4)."""
 
-    def __init__(self, group: h5py.Group, path: str, objects: dict[str, _Object], *, verify: bool) -> None:
-        self.group = group
-        self.path = path
-        self.objects = objects  # the reader's index: attributes as read (and digested) at open
+    def __init__(self, load: Callable[[Any, bool], torch.Tensor], *, verify: bool) -> None:
+        self.load = load
         self.verify = verify
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[Any, torch.Tensor] = {}
         self.nbytes = 0
 
     def node(self, node: Any) -> Any:
@@ -62,7 +67,7 @@ class _Decoder:
             raise ValueError(f"malformed structure node {node!r:.80}")
         kind = node["type"]
         if kind == "tensor":
-            return self.tensor(str(node["ref"]))
+            return self.tensor(node["ref"])
         if kind == "none":
             return None
         if kind == "bool":
@@ -88,23 +93,69 @@ class _Decoder:
             return {self.node(k): self.node(v) for k, v in _expect(node["items"], list)}
         raise ValueError(f"unknown structure node type {kind!r:.40}")
 
-    def tensor(self, ref: str) -> torch.Tensor:
-        if ref in self.tensors:
-            return self.tensors[ref]
+    def tensor(self, ref: Any) -> torch.Tensor:
+        if not isinstance(ref, (str, int)) or isinstance(ref, bool):
+            raise ValueError(f"malformed tensor reference {ref!r:.40}")
+        if ref not in self.tensors:
+            t = self.load(ref, self.verify)
+            self.nbytes += t.numel() * t.element_size()
+            self.tensors[ref] = t
+        return self.tensors[ref]
+
+
+def _stored_as(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype a dump stores a torch dtype as (itself, or its raw bits)."""
+    if dtype in _NUMPY_NATIVE:
+        return np.dtype(_NUMPY_NATIVE[dtype])
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in _RAW_BITS:
+        raise ValueError(f"cannot hold {dtype} as raw bits")
+    return np.dtype(_RAW_BITS[size][1])
+
+
+def _as_tensor(arr: np.ndarray, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """Stored elements (its own dtype, or raw bits) as the tensor they stand for."""
+    arr = arr.reshape(shape)
+    if dtype in _NUMPY_NATIVE:
+        return torch.from_numpy(arr)
+    return torch.from_numpy(arr.view(_RAW_BITS[arr.dtype.itemsize][2])).view(dtype)
+
+
+def _shape(value: Any) -> list[int]:
+    shape = [_expect(n, int) for n in _expect(value, list)]
+    if any(n < 0 for n in shape):
+        raise ValueError(f"negative size in shape {shape}")
+    return shape
+
+
+def _verified(arr: np.ndarray, checksums: dict[str, Any], ref: Any) -> None:
+    """Check ``arr`` against the first checksum ``checksums`` has (``crc32c``, ``crc32``)."""
+    kind = next((k for k in _CHECKSUMS if k in checksums), None)
+    if kind is None:
+        raise ValueError(f"tensor {ref} has no checksum (a dump written with checksums off): read it with verify=False")
+    if _CHECKSUMS[kind](arr) != checksums[kind]:
+        raise _DigestMismatch(ref)
+
+
+class _GroupTensors:
+    """Tensors of one site group of a dump before schema 4: datasets ``t0``, ``t1``, ...
+    with their dtype, shape and checksum as attributes."""
+
+    def __init__(self, group: h5py.Group, path: str, objects: dict[str, _Object]) -> None:
+        self.group = group
+        self.path = path
+        self.objects = objects  # the reader's index: attributes as read (and digested) at open
+
+    def __call__(self, ref: Any, verify: bool) -> torch.Tensor:
+        ref = _expect(ref, str)
         entry = self.objects.get(f"{self.path}/{ref}")
         if entry is None or entry.kind != "dataset":
             raise ValueError(f"{ref!r} is not a dataset")
         dset = self.group[ref]
         attrs = {k: _decode_attr(v) for k, v in entry.attrs.items()}
         dtype = stored_dtype(attrs["torch_dtype"])
-        shape = [_expect(n, int) for n in _expect(json.loads(attrs["shape"]), list)]
-        if dtype in _NUMPY_NATIVE:
-            stored = np.dtype(_NUMPY_NATIVE[dtype])
-        else:
-            size = torch.empty((), dtype=dtype).element_size()
-            if size not in _RAW_BITS:
-                raise ValueError(f"dataset {ref}: cannot hold {dtype} as raw bits")
-            stored = np.dtype(_RAW_BITS[size][1])
+        shape = _shape(json.loads(attrs["shape"]))
+        stored = _stored_as(dtype)
         # Check type and size before reading: libhdf5 may crash converting a damaged type.
         cls = dset.id.get_type().get_class()
         if cls not in _DATASET_CLASSES or dset.dtype != stored:
@@ -114,22 +165,9 @@ class _Decoder:
         arr = np.empty(dset.shape, dtype=stored)
         if arr.size:
             dset.id.read(h5py.h5s.ALL, h5py.h5s.ALL, arr)
-        if self.verify:
-            kind = next((k for k in _CHECKSUMS if k in attrs), None)
-            if kind is None:
-                raise ValueError(
-                    f"dataset {ref} has no checksum (a dump written with checksums off): read it with verify=False"
-                )
-            if _CHECKSUMS[kind](arr) != attrs[kind]:
-                raise _DigestMismatch(ref)
-        arr = arr.reshape(shape)
-        if dtype in _NUMPY_NATIVE:
-            t = torch.from_numpy(arr)
-        else:
-            t = torch.from_numpy(arr.view(_RAW_BITS[size][2])).view(dtype)
-        self.nbytes += arr.nbytes
-        self.tensors[ref] = t
-        return t
+        if verify:
+            _verified(arr, attrs, ref)
+        return _as_tensor(arr, dtype, shape)
 
 
 class _DigestMismatch(Exception):
@@ -158,10 +196,13 @@ class VerifySummary:
 
 @dataclass(frozen=True)
 class _Entry:
-    """One site group in the index: its name and the site without its tensors."""
+    """One site: where it is (its position in a packed dump's index, or its group's name
+    in an older dump), the site without its tensors, and, packed, its structure."""
 
     name: str
     site: Site
+    structure: Any = None
+    packed: bool = False
 
     @property
     def block(self) -> int | None:
@@ -169,7 +210,23 @@ class _Entry:
 
     @property
     def label(self) -> str:
-        return f"/sites/{self.name} ({describe_key(self.site.key)}, {self.site.module})"
+        where = f"sites[{self.name}]" if self.packed else f"/sites/{self.name}"
+        return f"{where} ({describe_key(self.site.key)}, {self.site.module})"
+
+
+def _site_of(record: dict[str, Any]) -> Site:
+    """A site without its tensors, from its record (index entry or group attributes)."""
+    block = int(record["block"])
+    subpath = str(record["subpath"])
+    return Site(
+        stage=str(record["stage"]),
+        block=None if block < 0 else block,
+        subpath=subpath or None,
+        module=str(record["module"]),
+        call=int(record["call"]),
+        ordinal=int(record["ordinal"]),
+        order=int(record["order"]),
+    )
 
 
 class DumpReader:
@@ -200,6 +257,9 @@ class DumpReader:
         self.meta: dict[str, Any] = {}
         self._entries: list[_Entry] = []
         self._objects: dict[str, _Object] = {}  # every link, its attributes read once at open
+        self._packed = False  # schema 4: tensors in /tensors, sites in /index
+        self._index: dict[str, Any] = {}
+        self._data: dict[str, h5py.Dataset] = {}
         where = str(self.path)
         if not self.path.exists():
             raise DumpError(f"{where}: no such file", path=where)
@@ -249,7 +309,40 @@ class DumpReader:
         for key in json.loads(attrs["json_attributes"]):
             meta[key] = json.loads(meta[key])
         self.meta = meta
+        self._packed = version >= PACKED_SCHEMA
+        if self._packed:
+            entries = self._index_entries()
+        else:
+            entries = self._group_entries()
+        # Calls in the order they started (a block before its modules); sites written
+        # without an order (all 0) keep the order they were written in.
+        entries.sort(key=lambda e: (e.site.order, int(e.name)))
+        self._entries = entries
 
+    def _index_entries(self) -> list[_Entry]:
+        """Schema 4: the sites of the JSON index, after checking that its tensor entries tile
+        the packed datasets."""
+        f = self._file
+        if self._objects.get("tensors", _Object("dataset", {})).kind != "group":
+            raise ValueError("/tensors is missing or not a group")
+        self._data = {}
+        for path, obj in self._objects.items():
+            name = path.removeprefix("tensors/")
+            if name != path:
+                if obj.kind != "dataset" or len(obj.shape) != 1:
+                    raise ValueError(f"/{path} is not a 1-D dataset")
+                self._data[name] = f[path]
+        self._index, _ = read_index(f)
+        check_packing(self._index, {name: dset.shape[0] for name, dset in self._data.items()})
+        entries = []
+        for i, record in enumerate(self._index["sites"]):
+            if not isinstance(record, dict):
+                raise ValueError(f"sites[{i}] is not an object")
+            entries.append(_Entry(str(i), _site_of(record), record.get("structure"), packed=True))
+        return entries
+
+    def _group_entries(self) -> list[_Entry]:
+        """Before schema 4: a group per site under /sites, its attributes as read at open."""
         if self._objects.get("sites", _Object("dataset", {})).kind != "group":
             raise ValueError("/sites is missing or not a group")
         entries = []
@@ -259,23 +352,8 @@ class DumpReader:
                 continue
             if obj.kind != "group":
                 raise ValueError(f"/{path} is not a group")
-            group = {k: _decode_attr(v) for k, v in obj.attrs.items()}
-            block = int(group["block"])
-            subpath = str(group["subpath"])
-            site = Site(
-                stage=str(group["stage"]),
-                block=None if block < 0 else block,
-                subpath=subpath or None,
-                module=str(group["module"]),
-                call=int(group["call"]),
-                ordinal=int(group["ordinal"]),
-                order=int(group["order"]),
-            )
-            entries.append(_Entry(name, site))
-        # Calls in the order they started (a block before its modules); sites written
-        # without an order (all 0) keep the order they were written in.
-        entries.sort(key=lambda e: (e.site.order, int(e.name)))
-        self._entries = entries
+            entries.append(_Entry(name, _site_of({k: _decode_attr(v) for k, v in obj.attrs.items()})))
+        return entries
 
     # -- SiteStore (read side)
 
@@ -302,20 +380,12 @@ class DumpReader:
 
     def inputs(self) -> Any:
         """The recorded model inputs, or ``None`` if the dump has none."""
-        self._open_file()
-        with self._guard("cannot be read (the file is damaged)", site="/inputs"):
-            if "inputs" not in self._objects:
-                return None
-            return self._decode("inputs", "/inputs", whole=True)[0]
+        return self._whole("inputs", None)
 
     def floors(self) -> dict[str, Any]:
         """The noise floors stored at capture, by precision label (``bfloat16@cpu``): each a
         dict with ``dtype``, ``device`` and ``values``; empty when the dump has none."""
-        self._open_file()
-        with self._guard("cannot be read (the file is damaged)", site="/floors"):
-            if "floors" not in self._objects:
-                return {}
-            return self._decode("floors", "/floors", whole=True)[0]
+        return self._whole("floors", {})
 
     def verify_all(self) -> VerifySummary:
         """Read every tensor of every site and the inputs, checking each digest.
@@ -328,20 +398,31 @@ class DumpReader:
         """
         self._open_file()
         tensors = nbytes = 0
+        used: set = set()
         for e in self._entries:
             with self._guard("cannot be read (the file is damaged)", site=e.label):
-                _, dec = self._decode(f"sites/{e.name}", e.label, verify=True)
-                extra = set(dec.group.keys()) - set(dec.tensors)
-                if extra:
-                    raise ValueError(f"datasets {sorted(extra)} are not referenced by the structure")
+                _, dec = self._decode(e, verify=True)
+                if not self._packed:
+                    extra = set(dec.load.group.keys()) - set(dec.tensors)
+                    if extra:
+                        raise ValueError(f"datasets {sorted(extra)} are not referenced by the structure")
+            used.update(dec.tensors)
             tensors += len(dec.tensors)
             nbytes += dec.nbytes
         for name in ("inputs", "floors"):
             with self._guard("cannot be read (the file is damaged)", site=f"/{name}"):
-                if name in self._objects:
-                    _, dec = self._decode(name, f"/{name}", whole=True, verify=True)
+                found = self._structure(name)
+                if found is not None:
+                    dec = _Decoder(found[1], verify=True)
+                    dec.node(found[0])
+                    used.update(dec.tensors)
                     tensors += len(dec.tensors)
                     nbytes += dec.nbytes
+        if self._packed:
+            with self._guard("is damaged"):
+                unused = sorted(set(range(len(self._index["tensors"]))) - used)
+                if unused:
+                    raise ValueError(f"tensors {unused[:8]} of the index are not referenced by any site")
         return VerifySummary(sites=len(self._entries), tensors=tensors, bytes=nbytes)
 
     # -- lifecycle
@@ -378,32 +459,66 @@ class DumpReader:
     def _read(self, e: _Entry) -> Site:
         self._open_file()
         with self._guard("cannot be read (the file is damaged)", site=e.label):
-            decoded, _ = self._decode(f"sites/{e.name}", e.label)
+            decoded, _ = self._decode(e)
             args, kwargs, output = decoded["args"], decoded["kwargs"], decoded["output"]
             if not isinstance(args, tuple) or not isinstance(kwargs, dict):
                 raise TypeError("site args must be a tuple and kwargs a dict")
             return dataclasses.replace(e.site, args=args, kwargs=kwargs, output=output)
 
-    def _decode(
-        self, path: str, label: str, *, whole: bool = False, verify: bool | None = None
-    ) -> tuple[Any, _Decoder]:
-        """Decode the structure of group ``path``: a whole one (``whole``, the inputs) or a
-        site's ``{"args", "kwargs", "output"}``."""
-        group = self._open_file()[path]
-        structure = json.loads(_decode_attr(self._objects[path].attrs["structure"]))
-        dec = _Decoder(group, path, self._objects, verify=self.verify if verify is None else verify)
+    def _decode(self, e: _Entry, *, verify: bool | None = None) -> tuple[dict[str, Any], _Decoder]:
+        """A site's ``{"args", "kwargs", "output"}``, decoded."""
+        if e.packed:
+            structure, load = e.structure, self._packed_tensor
+        else:
+            path = f"sites/{e.name}"
+            structure = json.loads(_decode_attr(self._objects[path].attrs["structure"]))
+            load = _GroupTensors(self._open_file()[path], path, self._objects)
+        dec = _Decoder(load, verify=self.verify if verify is None else verify)
+        if not isinstance(structure, dict) or set(structure) != {"args", "kwargs", "output"}:
+            raise ValueError("a site structure must have exactly 'args', 'kwargs' and 'output'")
         try:
-            if whole:
-                return dec.node(structure), dec
-            if not isinstance(structure, dict) or set(structure) != {"args", "kwargs", "output"}:
-                raise ValueError("a site structure must have exactly 'args', 'kwargs' and 'output'")
             return {k: dec.node(v) for k, v in structure.items()}, dec
         except _DigestMismatch as exc:
             raise DumpError(
-                f"{self.path}: site {label}: tensor {exc.ref} digest mismatch: the file is damaged",
+                f"{self.path}: site {e.label}: tensor {exc.ref} digest mismatch: the file is damaged",
                 path=str(self.path),
-                site=label,
+                site=e.label,
             ) from None
+
+    def _structure(self, name: str) -> tuple[Any, Callable[[Any, bool], torch.Tensor]] | None:
+        """A whole structure (``inputs``, ``floors``) and how to load its tensors, or ``None``."""
+        if self._packed:
+            return None if self._index.get(name) is None else (self._index[name], self._packed_tensor)
+        if name not in self._objects:
+            return None
+        structure = json.loads(_decode_attr(self._objects[name].attrs["structure"]))
+        return structure, _GroupTensors(self._open_file()[name], name, self._objects)
+
+    def _whole(self, name: str, absent: Any) -> Any:
+        self._open_file()
+        with self._guard("cannot be read (the file is damaged)", site=f"/{name}"):
+            found = self._structure(name)
+            if found is None:
+                return absent
+            try:
+                return _Decoder(found[1], verify=self.verify).node(found[0])
+            except _DigestMismatch as exc:
+                raise ValueError(f"tensor {exc.ref} digest mismatch: the file is damaged") from None
+
+    def _packed_tensor(self, ref: Any, verify: bool) -> torch.Tensor:
+        """Tensor ``ref`` of the index, read from its packed dataset."""
+        tensors = self._index["tensors"]
+        if not isinstance(ref, int) or isinstance(ref, bool) or not 0 <= ref < len(tensors):
+            raise ValueError(f"tensor {ref!r:.40} is not in the index")
+        entry = tensors[ref]
+        dtype = stored_dtype(_expect(entry.get("dtype"), str))
+        shape = _shape(entry.get("shape"))
+        if math.prod(shape) != entry["count"]:
+            raise ValueError(f"tensor {ref}: shape {shape} does not hold {entry['count']} elements")
+        arr = read_packed(self._data[entry["data"]], entry, _stored_as(dtype))
+        if verify:
+            _verified(arr, entry, ref)
+        return _as_tensor(arr, dtype, shape)
 
     @contextmanager
     def _guard(self, what: str, *, site: str | None = None) -> Iterator[None]:

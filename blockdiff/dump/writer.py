@@ -1,39 +1,45 @@
 """The write side of a dump: :class:`DumpWriter` streams captured sites into an HDF5 file.
 
-Capture hands each site to :meth:`DumpWriter.add`; its tensors are encoded into datasets
-(:class:`_Encoder`), the metadata digest is recorded as it is written, and the file is
-renamed to its final path only after a clean close.
+Capture hands each site to :meth:`DumpWriter.add`, which encodes its structure and hands
+its tensors to the writer's thread without waiting for libhdf5. The thread appends each
+tensor's bytes to one dataset per stored dtype in whole chunks (:class:`_Packed`); the
+JSON index of sites and tensors, the metadata digest and ``complete`` are written at
+close, and the file is renamed to its final path only after a clean close (schema 4,
+``docs/dump-format.md``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+import google_crc32c
 import h5py
 import numpy as np
 import torch
 
 from ..dtypes import dtype_name
-from ..errors import DumpError
+from ..errors import DumpError, TensorChanged
 from ..site import Opaque, Site
 from .format import (
     _NUMPY_NATIVE,
     _RAW_BITS,
     FORMAT,
+    LIBVER,
+    PACKED_CHUNK_BYTES,
     SCHEMA_VERSION,
     STANDARD_ATTRIBUTES,
-    LIBVER,
     _encode_meta,
     _Object,
     _set_attr,
     finish_file,
-    write_array,
+    stored_name,
 )
 
 _COMPRESSIONS = (None, "lzf", "gzip")
@@ -69,32 +75,31 @@ def _encode_attr(key: str, value: Any) -> tuple[Any, bool]:
 # structures
 
 
-class _Encoder:
-    """Writes the tensors of one structure as datasets of ``group``; returns JSON nodes."""
+class _Pending:
+    """One tensor of a site on its way to the writer's thread: its index entry (the
+    checksum is filled in once written), its bytes as stored, and, for a tensor the
+    capture holds by reference, the tensor and the version counter it had when handed over."""
 
-    def __init__(
-        self,
-        group: h5py.Group,
-        path: str,
-        objects: dict[str, _Object],
-        compression: dict[str, Any],
-        written: dict | None = None,
-        *,
-        checksums: bool = True,
-    ) -> None:
-        self.group = group
-        self.path = path
-        self.objects = objects  # what the metadata digest will cover: the writer's record
-        self.compression = compression
-        self.checksums = checksums
-        # Tensors written by earlier sites of this dump: id -> (weak reference, dataset
-        # path). Capture shares one copy between sites (a block's output is the next
-        # block's input); such a tensor is stored once and linked from the later site.
-        self.written = {} if written is None else written
-        # id(tensor) -> dataset name, so a tensor passed twice is stored once and comes
-        # back as one object; the tensors are kept alive so their ids stay unique.
-        self.refs: dict[int, str] = {}
+    __slots__ = ("entry", "flat", "holder", "version", "site")
+
+    def __init__(self, entry: dict, flat: np.ndarray, holder: torch.Tensor | None, version: int | None, site: str) -> None:
+        self.entry, self.flat, self.holder, self.version, self.site = entry, flat, holder, version, site
+
+
+class _Encoder:
+    """Encodes one structure into JSON nodes; its tensors become entries of the index
+    (``{"type": "tensor", "ref": N}``, N their position in the index's ``tensors``)."""
+
+    def __init__(self, writer: "DumpWriter", label: str) -> None:
+        self.writer = writer
+        self.label = label
+        # id(tensor) -> ref, so a tensor passed twice is stored once and comes back as one
+        # object; the tensors are kept alive so their ids stay unique.
+        self.refs: dict[int, int] = {}
         self._alive: list[torch.Tensor] = []
+        self.pending: list[_Pending] = []
+        self.reserved: dict[str, int] = {}  # elements taken per packed dataset, not yet committed
+        self.shared: dict[int, tuple] = {}  # new entries for the writer's table of written tensors
 
     def node(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -134,23 +139,20 @@ class _Encoder:
             return {"type": "dict", "items": [[self.node(k), self.node(obj[k])] for k in obj.keys()]}
         return {"type": "opaque", "value": type(obj).__name__}
 
-    def tensor(self, t: torch.Tensor) -> str:
-        if id(t) in self.refs:
-            return self.refs[id(t)]
-        original = t
-        name = f"t{len(self.refs)}"
-        path = f"{self.path}/{name}"
-        earlier = self.written.get(id(original))
-        if earlier is not None and earlier[0]() is original:
-            # A hard link: the same dataset under a second name.
-            self.group.id.links.create_hard(name.encode(), self.group.file.id, earlier[1].encode())
-            self.objects[path] = self.objects[earlier[1]]
-            self.refs[id(original)] = name
-            self._alive.append(original)
-            return name
+    def tensor(self, t: torch.Tensor) -> int:
+        key = id(t)
+        if key in self.refs:
+            return self.refs[key]
+        self._alive.append(t)
+        earlier = self.writer._written.get(key)
+        if earlier is not None and earlier[0]() is t:
+            # Capture shares one copy between sites (a block's output is the next block's
+            # input): stored once, both sites refer to the same entry.
+            self.refs[key] = earlier[1]
+            return earlier[1]
         if t.layout != torch.strided or t.is_quantized:
             raise DumpError(f"cannot store a {t.layout} / {t.dtype} tensor: only dense tensors are supported")
-        shape = list(t.shape)
+        original = t
         t = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
         if t.dtype in _NUMPY_NATIVE:
             arr = t.numpy()
@@ -159,24 +161,137 @@ class _Encoder:
             arr = t.view(signed).numpy().view(unsigned)
         else:
             raise DumpError(f"cannot store a {t.dtype} tensor: element size {t.element_size()} bytes")
-        if arr.ndim == 0:
-            arr = arr.reshape(1)  # HDF5 cannot chunk (or checksum) a scalar dataset
-        self.objects[path] = write_array(
-            self.group, name, arr, dtype_name(t.dtype), shape, compression=self.compression, checksums=self.checksums
-        )
-        self.refs[id(original)] = name
-        self._alive.append(original)
-        written, key = self.written, id(original)
-        try:
-            # The callback must not hold this encoder: it keeps its tensors alive.
-            written[key] = (weakref.ref(original, lambda _: written.pop(key, None)), path)
-        except TypeError:
-            pass
-        return name
+        flat = np.ascontiguousarray(arr.reshape(-1), dtype=arr.dtype.newbyteorder("<"))
+        data = stored_name(flat.dtype)
+        offset = self.writer._reserved.get(data, 0) + self.reserved.get(data, 0)
+        self.reserved[data] = self.reserved.get(data, 0) + flat.size
+        entry = {"data": data, "offset": offset, "count": int(flat.size), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+        ref = len(self.writer._tensors) + len(self.pending)
+        # A tensor the model still owns may be written to in place before the thread has
+        # copied it: its version counter, checked after the copy, says so.
+        shares = flat.size and t.data_ptr() == original.data_ptr() and original.device.type == "cpu"
+        version = getattr(original, "_version", None) if shares and not original.is_inference() else None
+        self.pending.append(_Pending(entry, flat, original if version is not None else None, version, self.label))
+        self.refs[key] = ref
+        self.shared[key] = (original, ref)
+        return ref
+
+
+class _Packed:
+    """One stored dtype's dataset, ``tensors/<dtype>``: elements appended in order, written
+    in whole chunks as they fill (a staging buffer collects what does not fill one)."""
+
+    def __init__(self, name: str, dtype: np.dtype, compression: dict[str, Any], checksums: bool) -> None:
+        self.name = name
+        self.dtype = np.dtype(dtype)
+        self.chunk = max(1, PACKED_CHUNK_BYTES // self.dtype.itemsize)
+        self.compression = compression
+        self.checksums = checksums
+        self.buffer: np.ndarray | None = None
+        self.fill = 0  # elements in the staging buffer
+        self.chunks = 0  # whole chunks written
+        self.dset: h5py.h5d.DatasetID | None = None
+
+    @property
+    def length(self) -> int:
+        return self.chunks * self.chunk + self.fill
+
+    def append(self, group: h5py.Group, flat: np.ndarray) -> None:
+        pos, n = 0, flat.size
+        while pos < n:
+            if self.fill == 0 and n - pos >= self.chunk:  # a whole chunk straight from the tensor
+                self._write(group, flat[pos : pos + self.chunk], self.chunk)
+                pos += self.chunk
+                continue
+            if self.buffer is None:
+                self.buffer = np.empty(self.chunk, dtype=self.dtype)
+            take = min(self.chunk - self.fill, n - pos)
+            self.buffer[self.fill : self.fill + take] = flat[pos : pos + take]
+            self.fill += take
+            pos += take
+            if self.fill == self.chunk:
+                self.fill = 0
+                self._write(group, self.buffer, self.chunk)
+
+    def finish(self, group: h5py.Group) -> _Object:
+        """Write what is left; returns what the metadata digest records of the dataset."""
+        if self.dset is None:
+            # Smaller than one chunk: one chunk of exactly its size.
+            self.chunk = max(self.fill, 1)
+            self._create(group)
+            if self.fill:
+                self._write(group, self.buffer[: self.fill], self.fill)
+        elif self.fill:
+            # The last, partial chunk: stored whole (its tail zeroed, past the extent).
+            self.buffer[self.fill :] = 0
+            self._write(group, self.buffer, self.fill)
+        self.fill = 0
+        length = self.dset.shape[0]
+        return _Object("dataset", {}, self.dtype.str, (length,))
+
+    def _create(self, group: h5py.Group) -> None:
+        if self.compression:
+            # fletcher32 guards compressed chunks before they reach the decompressor.
+            dset = group.create_dataset(
+                self.name, shape=(0,), maxshape=(None,), chunks=(self.chunk,), dtype=self.dtype,
+                fletcher32=self.checksums, track_times=False, **self.compression,
+            )
+            self.dset = dset.id
+            return
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_chunk((self.chunk,))
+        dcpl.set_obj_track_times(False)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every chunk is written whole, at once
+        space = h5py.h5s.create_simple((0,), (h5py.h5s.UNLIMITED,))
+        self.dset = h5py.h5d.create(group.id, self.name.encode(), h5py.h5t.py_create(self.dtype, logical=1), space, dcpl=dcpl)
+
+    def _write(self, group: h5py.Group, data: np.ndarray, valid: int) -> None:
+        """Chunk number ``self.chunks``: ``data`` (a whole chunk's elements), of which the
+        first ``valid`` are inside the dataset."""
+        if self.dset is None:
+            self._create(group)
+        start = self.chunks * self.chunk
+        self.dset.set_extent((start + valid,))
+        if self.compression:
+            space = self.dset.get_space()
+            space.select_hyperslab((start,), (valid,))
+            self.dset.write(h5py.h5s.create_simple((valid,)), space, np.ascontiguousarray(data[:valid]))
+        else:
+            # Handed to libhdf5 as it is: no selection, conversion or chunk cache.
+            self.dset.write_direct_chunk((start,), data)
+        if valid == self.chunk:
+            self.chunks += 1
 
 
 # ---------------------------------------------------------------------------------------
 # writer
+
+# Bytes of tensors handed to the writer's thread and not yet written; ``add`` waits above it
+# (a single larger tensor is always accepted).
+_IN_FLIGHT_BYTES = 64 * 2**20
+# Start writing dirty pages back to disk every this many bytes, so the fsync at close
+# waits for the tail only (Linux; elsewhere the fsync does it all).
+_WRITEBACK_BYTES = 16 * 2**20
+
+
+def _sync_file_range() -> Callable | None:
+    """Linux's ``sync_file_range`` (Python's ``os`` does not wrap it), or ``None``."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writing dirty pages back; do not wait
 
 
 class DumpWriter:
@@ -184,26 +299,29 @@ class DumpWriter:
 
     The file is written under a temporary name (``.NAME.tmp-PID``) in the target
     directory. A clean :meth:`close` (or leaving the ``with`` block without an exception)
-    writes the ``metadata_digest`` and then ``complete`` last, and renames the file to
-    ``path`` atomically. An exception inside the ``with`` block, or :meth:`abort`, removes
-    the temporary file and leaves nothing at ``path``. Each site is written as it arrives.
+    writes the index, the ``metadata_digest`` and then ``complete`` last, and renames the
+    file to ``path`` atomically. An exception inside the ``with`` block, or :meth:`abort`,
+    removes the temporary file and leaves nothing at ``path``.
+
+    :meth:`add` encodes a site and hands its tensors to the writer's thread, which writes
+    them while the caller goes on (the forward is not held by libhdf5). The thread keeps a
+    reference to each tensor until its bytes are written, at most 64 MiB of them at a time;
+    a tensor changed in place before then (its version counter moved) fails the dump with
+    :class:`~blockdiff.errors.TensorChanged`, at the next :meth:`add` or at :meth:`close`.
 
     Args:
         path: where the finished dump goes (replaced if it exists).
         meta: what the capture was (model spec, hook map, device, dtype, input digest, ...):
             str/int/float/bool values stored as attributes, lists/dicts/None as JSON.
-        compress: ``None``, ``"lzf"`` or ``"gzip"`` for every tensor dataset.
-        checksums: ``False`` writes neither the fletcher32 filter (compressed dumps) nor the crc32c
-            attributes, to measure what they cost (``benchmarks/overhead.py``); such a dump
-            reads only with ``verify=False``.
+        compress: ``None``, ``"lzf"`` or ``"gzip"`` for the tensor datasets.
+        checksums: ``False`` writes neither the fletcher32 filter (compressed dumps) nor the
+            CRC-32C of each tensor, to measure what they cost (``benchmarks/overhead.py``);
+            such a dump reads only with ``verify=False``.
 
     >>> with DumpWriter("ref.h5", meta={"model": "m.py:build", "dtype": "float32"}) as w:
     ...     w.add_inputs(token_ids)                                  # doctest: +SKIP
     ...     w.add(site)                                              # doctest: +SKIP
     """
-
-    # Capture may hand over the model's own CPU tensors (capture.record_once, hold="written"):
-    # each site is written before add returns, after a check that none changed since its hook.
 
     def __init__(
         self, path: str | os.PathLike, *, meta: dict[str, Any], compress: str | None = None, checksums: bool = True
@@ -223,21 +341,37 @@ class DumpWriter:
         elif compress == "lzf":
             self._compression = {"compression": "lzf", "shuffle": True}
         self.tmp_path = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        self._count = 0
+        # The index, built as sites arrive: tensor entries and site records.
+        self._tensors: list[dict[str, Any]] = []
+        self._sites: list[dict[str, Any]] = []
+        self._structures: dict[str, Any] = {}  # inputs, floors
+        self._reserved: dict[str, int] = {}  # elements given out per packed dataset
+        # Tensors stored by earlier sites: id -> (weak reference, ref), see _Encoder.tensor.
         self._written: dict[int, tuple] = {}
         # What the metadata digest covers, recorded as it is written (not read back).
         self._root: dict[str, Any] = {}
         self._objects: dict[str, _Object] = {}
         self._meta_keys: list[str] = []
         self._file: h5py.File | None = None
-        # Every libhdf5 call of this writer runs on one worker thread while the caller
-        # waits: glibc gives that thread its own heap, so libhdf5's long-lived small
-        # allocations do not pin the heap between the model's freed activations (they
-        # did, and a streamed capture's resident size grew by ~12 MiB per block).
+        self._packed: dict[str, _Packed] = {}
+        self._failed: BaseException | None = None  # the first failure on the writer's thread
+        self._in_flight = 0
+        self._room = threading.Condition()
+        self._unsynced = 0
+        self._fd: int | None = None
+        # Every libhdf5 call of this writer runs on one thread of its own: glibc gives that
+        # thread its own heap, so libhdf5's long-lived small allocations do not pin the heap
+        # between the model's freed activations (they did, and a streamed capture's resident
+        # size grew by ~12 MiB per block); and the forward does not wait for them.
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="blockdiff-dump")
-        self._on_worker(self._create)
+        try:
+            self._on_worker(self._create)
+        except BaseException:
+            self._stop_worker()
+            raise
 
     def _on_worker(self, fn: Callable, *args: Any) -> Any:
+        """Run ``fn`` on the writer's thread after everything handed to it, and wait."""
         if self._worker is None:  # closed: nothing left to hand over
             return fn(*args)
         return self._worker.submit(fn, *args).result()
@@ -245,13 +379,15 @@ class DumpWriter:
     def _stop_worker(self) -> None:
         worker, self._worker = self._worker, None
         if worker is not None:
-            worker.shutdown(wait=False)
+            worker.shutdown(wait=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def _create(self) -> None:
         try:
             self._file = h5py.File(self.tmp_path, "w", libver=LIBVER)
         except Exception as exc:
-            self._stop_worker()
             raise DumpError(
                 f"{self.path}: cannot create the dump: {_why_not_created(self.path.parent, exc)}", path=str(self.path)
             ) from exc
@@ -265,8 +401,10 @@ class DumpWriter:
             ):
                 self._root[key] = _set_attr(self._file, key, value)
             self._write_meta()
-            self._sites = self._file.create_group("sites")
-            self._objects["sites"] = _Object("group", {})
+            self._group = self._file.create_group("tensors")
+            self._objects["tensors"] = _Object("group", {})
+            if _SYNC_FILE_RANGE is not None:
+                self._fd = os.open(self.tmp_path, os.O_RDONLY)
         except BaseException:
             self._abort()
             raise
@@ -274,43 +412,19 @@ class DumpWriter:
     # -- SiteStore (write side)
 
     def add(self, site: Site) -> None:
-        """Write one site as group ``/sites/NNNNNN`` (NNNNNN: how many were written before)."""
-        self._on_worker(self._add, site)
-
-    def _add(self, site: Site) -> None:
-        f = self._open_file()
-        order = self._count
-        name = f"{order:06d}"
+        """Record one site (the index's ``sites[N]``, N: how many were added before); its
+        tensors are written by the writer's thread."""
+        self._check_open()
+        label = f"sites[{len(self._sites)}] ({site.label})"
+        enc = _Encoder(self, label)
         try:
-            group = h5py.Group(h5py.h5g.create(self._sites.id, name.encode()))
-        except Exception as exc:
-            raise DumpError(f"{self.path}: cannot write site {site.label}: {exc}", path=str(self.path)) from exc
-        path = f"sites/{name}"
-        try:
-            attrs = {
-                "stage": str(site.stage),
-                "block": -1 if site.block is None else int(site.block),
-                "subpath": "" if site.subpath is None else str(site.subpath),
-                "module": str(site.module),
-                "call": int(site.call),
-                "ordinal": int(site.ordinal),
-                # Start order of the call (a block starts before its modules); the group
-                # name counts completions, the order sites are written in.
-                "order": int(site.order),
-            }
-            attrs = {key: _set_attr(group, key, value) for key, value in attrs.items()}
-            self._objects[path] = _Object("group", attrs)
-            enc = _Encoder(group, path, self._objects, self._compression, self._written, checksums=self.checksums)
             structure = {
                 "args": enc.node(tuple(site.args)),
                 "kwargs": enc.node(dict(site.kwargs)),
                 "output": enc.node(site.output),
             }
-            attrs["structure"] = _set_attr(group, "structure", json.dumps(structure))
         except Exception as exc:
-            # Leave no half-written site behind if the caller carries on.
-            del f["sites"][name]
-            self._forget(path)
+            # Nothing of the site was kept: the index and the packed datasets are as before.
             if isinstance(exc, DumpError):
                 raise DumpError(f"{self.path}: site {site.label}: {exc}", path=str(self.path), site=site.label) from exc
             raise DumpError(
@@ -318,40 +432,107 @@ class DumpWriter:
                 path=str(self.path),
                 site=site.label,
             ) from exc
-        self._count += 1
+        self._sites.append(
+            {
+                "stage": str(site.stage),
+                "block": -1 if site.block is None else int(site.block),
+                "subpath": "" if site.subpath is None else str(site.subpath),
+                "module": str(site.module),
+                "call": int(site.call),
+                "ordinal": int(site.ordinal),
+                # Start order of the call (a block starts before its modules); the index
+                # lists sites in the order they were added (calls finishing, when streamed).
+                "order": int(site.order),
+                "structure": structure,
+            }
+        )
+        self._commit(enc)
 
     def add_inputs(self, obj: Any) -> None:
-        """Record the run's model inputs (a tensor, a tuple or a dict) as group ``/inputs``."""
-        self._on_worker(self._add_structure, "inputs", obj)
+        """Record the run's model inputs (a tensor, a tuple or a dict): the index's ``inputs``."""
+        self._add_structure("inputs", obj)
 
     def add_floors(self, floors: dict[str, Any]) -> None:
-        """Record noise floors measured at capture as group ``/floors``: by precision label
-        (``bfloat16@cpu``) a dict with ``dtype``, ``device`` and ``values`` (check key →
-        a number, a list of numbers, or a router's output). Schema 3."""
-        self._on_worker(self._add_structure, "floors", floors)
+        """Record noise floors measured at capture: the index's ``floors``, by precision
+        label (``bfloat16@cpu``) a dict with ``dtype``, ``device`` and ``values`` (check key
+        → a number, a list of numbers, or a router's output). Schema 3 and later."""
+        self._add_structure("floors", floors)
 
     def _add_structure(self, name: str, obj: Any) -> None:
-        """Group ``/<name>``: one nested structure of tensors and plain values."""
-        f = self._open_file()
-        if name in self._objects:
+        self._check_open()
+        if name in self._structures:
             raise DumpError(f"{self.path}: {name} were already recorded", path=str(self.path))
-        group = f.create_group(name)
-        attrs: dict[str, Any] = {}
-        self._objects[name] = _Object("group", attrs)
+        enc = _Encoder(self, f"/{name}")
         try:
-            enc = _Encoder(group, name, self._objects, self._compression, checksums=self.checksums)
-            attrs["structure"] = _set_attr(group, "structure", json.dumps(enc.node(obj)))
+            node = enc.node(obj)
         except Exception as exc:
-            del f[name]
-            self._forget(name)
             raise DumpError(
                 f"{self.path}: cannot write the {name}: {type(exc).__name__}: {exc}", path=str(self.path)
             ) from exc
+        self._structures[name] = node
+        self._commit(enc)
+
+    def _commit(self, enc: _Encoder) -> None:
+        """Take an encoded structure's tensors into the index and hand them to the thread."""
+        for data, count in enc.reserved.items():
+            self._reserved[data] = self._reserved.get(data, 0) + count
+        self._tensors.extend(p.entry for p in enc.pending)
+        written = self._written
+        for key, (tensor, ref) in enc.shared.items():
+            try:
+                # The callback must not hold this writer's encoder: it keeps tensors alive.
+                written[key] = (weakref.ref(tensor, lambda _, key=key: written.pop(key, None)), ref)
+            except TypeError:
+                pass
+        if not enc.pending:
+            return
+        nbytes = sum(p.flat.nbytes for p in enc.pending)
+        with self._room:
+            while self._in_flight and self._in_flight + nbytes > _IN_FLIGHT_BYTES and self._failed is None:
+                self._room.wait()
+            self._in_flight += nbytes
+        self._check_open()
+        self._worker.submit(self._write_tensors, enc.pending, nbytes)
+
+    def _write_tensors(self, pending: list[_Pending], nbytes: int) -> None:
+        try:
+            if self._failed is None:
+                for p in pending:
+                    self._write_tensor(p)
+        except BaseException as exc:
+            self._failed = self._failed or exc
+        finally:
+            with self._room:
+                self._in_flight -= nbytes
+                self._room.notify_all()
+
+    def _write_tensor(self, p: _Pending) -> None:
+        entry = p.entry
+        packed = self._packed.get(entry["data"])
+        if packed is None:
+            packed = self._packed[entry["data"]] = _Packed(entry["data"], p.flat.dtype, self._compression, self.checksums)
+        if packed.length != entry["offset"]:
+            raise DumpError(f"{self.path}: tensors/{entry['data']} out of order", path=str(self.path))
+        if self.checksums:
+            entry["crc32c"] = format(google_crc32c.value(p.flat.view(np.uint8)), "08x")
+        try:
+            packed.append(self._group, p.flat)
+        except Exception as exc:
+            raise DumpError(
+                f"{self.path}: cannot write site {p.site}: {type(exc).__name__}: {_one_line(exc)}", path=str(self.path), site=p.site
+            ) from exc
+        if p.holder is not None and p.holder._version != p.version:
+            raise TensorChanged(f"{p.site}: a tensor it recorded was changed in place before it was written")
+        self._unsynced += p.flat.nbytes
+        if self._fd is not None and self._unsynced >= _WRITEBACK_BYTES:
+            # Dirty pages start going to disk now, while the writer goes on.
+            self._unsynced = 0
+            _SYNC_FILE_RANGE(self._fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
     # -- lifecycle
 
     def close(self) -> None:
-        """Finish the dump: metadata digest, ``complete`` last, atomic rename to ``path``."""
+        """Finish the dump: the index, metadata digest, ``complete`` last, atomic rename."""
         try:
             self._on_worker(self._close)
         finally:
@@ -362,15 +543,38 @@ class DumpWriter:
             return
         f = self._file
         try:
+            self._raise_failure()
             self._check_meta()
             self._write_meta()
+            for name, packed in self._packed.items():
+                self._objects[f"tensors/{name}"] = packed.finish(self._group)
+            self._write_index(f)
             self._file = None
             finish_file(f, self._root, self._objects, self.tmp_path, self.path)
         except BaseException as exc:
             self._abort()
-            if isinstance(exc, Exception) and not isinstance(exc, DumpError):
-                raise DumpError(f"{self.path}: cannot finish the dump: {exc}", path=str(self.path)) from exc
+            if isinstance(exc, Exception) and not isinstance(exc, (DumpError, TensorChanged)):
+                raise DumpError(f"{self.path}: cannot finish the dump: {_one_line(exc)}", path=str(self.path)) from exc
             raise
+
+    def _write_index(self, f: h5py.File) -> None:
+        """``/index``: one fixed-length UTF-8 string of JSON (inside the file's checksummed
+        structures, unlike a variable-length one) and its CRC-32C."""
+        index = {"tensors": self._tensors, "sites": self._sites, **self._structures}
+        data = json.dumps(index, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        size = max(len(data), 1)
+        tid = h5py.h5t.C_S1.copy()
+        tid.set_size(size)
+        tid.set_cset(h5py.h5t.CSET_UTF8)
+        tid.set_strpad(h5py.h5t.STR_NULLPAD)
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_obj_track_times(False)
+        dset = h5py.h5d.create(f.id, b"index", tid, h5py.h5s.create(h5py.h5s.SCALAR), dcpl=dcpl)
+        dset.write(h5py.h5s.ALL, h5py.h5s.ALL, np.array(data, dtype=f"S{size}"), mtype=tid)
+        attrs = {}
+        if self.checksums:
+            attrs["crc32c"] = _set_attr(dset, "crc32c", format(google_crc32c.value(data), "08x"))
+        self._objects["index"] = _Object("dataset", attrs, np.dtype(f"S{size}").str, ())
 
     def abort(self) -> None:
         """Discard the dump: close and remove the temporary file; nothing at ``path``."""
@@ -402,19 +606,30 @@ class DumpWriter:
         return False
 
     def __len__(self) -> int:
-        """Number of sites written so far."""
-        return self._count
+        """Number of sites added so far."""
+        return len(self._sites)
 
     def __repr__(self) -> str:
-        state = "open" if self._file is not None else "closed"
-        return f"DumpWriter({str(self.path)!r}, sites={self._count}, {state})"
+        state = "open" if self._worker is not None else "closed"
+        return f"DumpWriter({str(self.path)!r}, sites={len(self._sites)}, {state})"
 
     # -- helpers
 
-    def _open_file(self) -> h5py.File:
-        if self._file is None:
+    def _check_open(self) -> None:
+        if self._worker is None:
             raise DumpError(f"{self.path}: the dump writer is closed", path=str(self.path))
-        return self._file
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """Raise what failed on the writer's thread (the dump cannot be finished)."""
+        failed = self._failed
+        if failed is None:
+            return
+        if isinstance(failed, (DumpError, TensorChanged)):
+            raise failed
+        raise DumpError(
+            f"{self.path}: cannot write the dump: {type(failed).__name__}: {_one_line(failed)}", path=str(self.path)
+        ) from failed
 
     def _check_meta(self) -> None:
         for key in self.meta:
@@ -429,7 +644,7 @@ class DumpWriter:
             _encode_attr(key, self.meta[key])
 
     def _write_meta(self) -> None:
-        f = self._open_file()
+        f = self._file
         for key in [*self._meta_keys, "json_attributes"]:
             if key in f.attrs:
                 del f.attrs[key]
@@ -443,16 +658,9 @@ class DumpWriter:
         self._root["json_attributes"] = _set_attr(f, "json_attributes", json.dumps(json_keys))
         self._meta_keys = list(self.meta)
 
-    def _forget(self, path: str) -> None:
-        """Drop a deleted group and everything below it from the digest's record, and its
-        datasets from those later sites may link to."""
-        def inside(key: str) -> bool:
-            return key == path or key.startswith(path + "/")
-
-        for key in [k for k in self._objects if inside(k)]:
-            del self._objects[key]
-        for key in [k for k, (_, where) in self._written.items() if inside(where)]:
-            del self._written[key]
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (libhdf5's carry the time, newline included)."""
+    return " ".join(str(exc).split())
 
 
 def _why_not_created(folder: Path, exc: Exception) -> str:
