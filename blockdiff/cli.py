@@ -430,6 +430,13 @@ def report_command(report_path: str, plot_path: str | None, html_path: str | Non
 @click.option("--hooks", "hooks_path", type=click.Path(dir_okay=False), help="Hook map TOML (default: found by class name).")
 @click.option("--compress", type=click.Choice(["lzf", "gzip"]), default=None, help="Compress the tensors [default: off].")
 @click.option(
+    "--fsync",
+    "durable",
+    is_flag=True,
+    help="Flush the dump to disk before renaming it into place, so that it survives a power loss "
+    "(without it, a dump torn by a system crash is refused when read, never misread).",
+)
+@click.option(
     "--floors",
     metavar="DTYPE[@DEVICE],...",
     default=None,
@@ -449,6 +456,7 @@ def capture_command(
     inputs_path: str | None,
     hooks_path: str | None,
     compress: str | None,
+    durable: bool,
     floors: str | None,
 ) -> None:
     """Run MODEL once and stream every site into an HDF5 dump.
@@ -479,7 +487,7 @@ def capture_command(
     ids, made = engine.inputs_for(built, hook_map, _inputs_spec(tokens, inputs_path, batch, seq, seed))
     if made is not None:
         click.echo(f"inputs: {made}", err=True)
-    engine.capture(built, ids, out, hooks=hook_map, compress=compress, label=model, floors=precisions)
+    engine.capture(built, ids, out, hooks=hook_map, compress=compress, label=model, floors=precisions, durable=durable)
     click.echo(f"wrote {out}")
 
 

@@ -275,6 +275,8 @@ class ForeignDumpWriter:
         device: the torch name of the device class it ran on (``"cpu"``, ``"cuda"``): with
             ``dtype``, which of the reference's stored floors apply.
         meta: more attributes to record (str, int, float, bool, or JSON-serializable).
+        durable: flush the file to disk before the rename (fsync), as
+            :class:`~blockdiff.dump.DumpWriter` does with ``durable=True``.
     """
 
     def __init__(
@@ -286,8 +288,10 @@ class ForeignDumpWriter:
         dtype: str | None = None,
         device: str = "cpu",
         meta: dict[str, Any] | None = None,
+        durable: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.durable = durable
         self.reference = Path(reference)
         self.expected = {(s.module, s.call): s for s in reference_sites(self.reference)}
         ref_meta = reference_meta(self.reference)
@@ -412,7 +416,7 @@ class ForeignDumpWriter:
             root["json_attributes"] = json.dumps(json_keys)
             stored = {key: _set_attr(f, key, value) for key, value in root.items()}
             self._file = None
-            finish_file(f, stored, self._objects, self.tmp_path, self.path)
+            finish_file(f, stored, self._objects, self.tmp_path, self.path, durable=self.durable)
         except BaseException:
             self.abort()
             raise

@@ -510,6 +510,7 @@ def capture(
     compress: str | None = None,
     label: str | None = None,
     floors: Sequence[tuple[torch.dtype, torch.device | str]] = (),
+    durable: bool = False,
 ) -> None:
     """Run ``model`` once on ``inputs`` and stream every site into the dump ``out``.
 
@@ -523,12 +524,14 @@ def capture(
             live diff is: every check's floor, the reference's own code at that precision
             on the reference's inputs. Measuring them holds the run in memory (like a live
             diff) and runs the model's modules again at each precision.
+        durable: flush the dump to disk before it is renamed into place (see
+            :class:`~blockdiff.dump.DumpWriter`).
     """
     check_inputs(inputs)
     side = _live_side("captured", model, hooks, inputs, label)
     with eval_mode(model), compiled_code_limits(model), _rank_zero_writes(out) as out:
         if not floors:
-            _stream(side, inputs, out, compress=compress)
+            _stream(side, inputs, out, compress=compress, durable=durable)
             return
         # Copies: the floor pass runs the model's modules again, which must not change the record.
         store = _run(side.name, _recorded, side, inputs, hold=None)
@@ -540,7 +543,7 @@ def capture(
             }
             for dtype, device in floors
         }
-        with DumpWriter(out, meta=_dump_meta(side, inputs), compress=compress) as writer:
+        with DumpWriter(out, meta=_dump_meta(side, inputs), compress=compress, durable=durable) as writer:
             writer.add_inputs(inputs)
             for site in store.sites():
                 writer.add(site)
@@ -695,7 +698,9 @@ def _record_in_memory(side: Side, inputs: Inputs) -> MemoryStore:
     return with_copies(attempt)
 
 
-def _stream(side: LiveSide, inputs: Inputs, path: str | Path, *, compress: str | None = None) -> None:
+def _stream(
+    side: LiveSide, inputs: Inputs, path: str | Path, *, compress: str | None = None, durable: bool = False
+) -> None:
     """Capture ``side`` into a dump, each site written as its call finishes, from the
     model's own tensors (see :func:`~blockdiff.capture.record_once`); should the model
     change one before its site is written, the dump is thrown away and the capture runs
@@ -703,7 +708,7 @@ def _stream(side: LiveSide, inputs: Inputs, path: str | Path, *, compress: str |
     meta = _dump_meta(side, inputs)
 
     def attempt(copy: bool) -> None:
-        with DumpWriter(path, meta=meta, compress=compress) as writer:
+        with DumpWriter(path, meta=meta, compress=compress, durable=durable) as writer:
             writer.add_inputs(inputs)
             _run(side.name, side.record, inputs, writer, hold=None if copy else "written", progress=_progress(side))
 

@@ -17,6 +17,8 @@ compared after broadcasting: :class:`ModuleOptions`.
 
 from __future__ import annotations
 
+import functools
+
 import sys
 from dataclasses import dataclass, field
 from importlib import resources
@@ -347,6 +349,13 @@ def load(path: str | Path) -> HookMap:
 
 def bundled() -> list[HookMap]:
     """The hook maps shipped with blockdiff (``hooks/*.toml``), sorted by name."""
+    return list(_bundled())
+
+
+@functools.lru_cache(maxsize=1)
+def _bundled() -> tuple[HookMap, ...]:
+    """Read and parsed once per process (every resolve asks; parsing them all took a few
+    milliseconds); a HookMap is frozen."""
     checkout = Path(__file__).resolve().parent.parent
     if (checkout / "pyproject.toml").is_file() and (checkout / "hooks").is_dir():
         # A source checkout reads its own maps, even where an editable install of another
@@ -358,7 +367,7 @@ def bundled() -> list[HookMap]:
     for entry in folder.iterdir():
         if entry.name.endswith(".toml"):
             maps.append(parse(entry.read_text(encoding="utf-8"), source=f"hooks/{entry.name}"))
-    return sorted(maps, key=lambda m: m.name)
+    return tuple(sorted(maps, key=lambda m: m.name))
 
 
 def find(model: nn.Module) -> HookMap:

@@ -357,16 +357,21 @@ def write_array(
     return _Object("dataset", attrs, arr.dtype.str, arr.shape)
 
 
-def finish_file(f: h5py.File, root: dict[str, Any], objects: dict[str, _Object], tmp_path: Path, path: Path) -> None:
+def finish_file(
+    f: h5py.File, root: dict[str, Any], objects: dict[str, _Object], tmp_path: Path, path: Path, *, durable: bool
+) -> None:
     """The end of every dump: the metadata digest over ``root`` (the file attributes as
-    stored) and ``objects``, ``complete`` last, then the file closed, flushed and renamed
-    to ``path`` (atomic: the file is there whole, or not at all)."""
+    stored) and ``objects``, ``complete`` last, then the file closed and renamed to
+    ``path`` (atomic: the file is there whole, or not at all); ``durable``: flushed to disk
+    before the rename, and the folder after it."""
     _set_attr(f, "metadata_digest", _digest(root, objects))
     _set_attr(f, "complete", True)
     f.close()
-    _fsync(tmp_path)
+    if durable:
+        _fsync(tmp_path)
     os.replace(tmp_path, path)
-    _fsync(path.parent)
+    if durable:
+        _fsync(path.parent)
 
 
 def _fsync(path: Path) -> None:

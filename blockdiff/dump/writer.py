@@ -76,9 +76,9 @@ def _encode_attr(key: str, value: Any) -> tuple[Any, bool]:
 
 
 class _Pending:
-    """One tensor of a site on its way to the writer's thread: its index entry (the
-    checksum is filled in once written), its bytes as stored, and, for a tensor the
-    capture holds by reference, the tensor and the version counter it had when handed over."""
+    """One tensor of a site on its way to the writer's thread: its index entry, its bytes
+    as stored, and, for a tensor the capture holds by reference, the tensor and the version
+    counter it had when handed over (its checksum was taken then)."""
 
     __slots__ = ("entry", "flat", "holder", "version", "site")
 
@@ -166,6 +166,10 @@ class _Encoder:
         offset = self.writer._reserved.get(data, 0) + self.reserved.get(data, 0)
         self.reserved[data] = self.reserved.get(data, 0) + flat.size
         entry = {"data": data, "offset": offset, "count": int(flat.size), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+        if self.writer.checksums:
+            # Here, on the caller's thread: it runs alongside the writer's thread writing
+            # the tensors before this one (libhdf5 lets go of the GIL while it writes).
+            entry["crc32c"] = format(google_crc32c.value(flat.view(np.uint8)), "08x")
         ref = len(self.writer._tensors) + len(self.pending)
         # A tensor the model still owns may be written to in place before the thread has
         # copied it: its version counter, checked after the copy, says so.
@@ -191,6 +195,7 @@ class _Packed:
         self.fill = 0  # elements in the staging buffer
         self.chunks = 0  # whole chunks written
         self.dset: h5py.h5d.DatasetID | None = None
+        self.extent = 0  # the dataset's extent: whole chunks written, and room for more
 
     @property
     def length(self) -> int:
@@ -215,6 +220,7 @@ class _Packed:
 
     def finish(self, group: h5py.Group) -> _Object:
         """Write what is left; returns what the metadata digest records of the dataset."""
+        length = self.length
         if self.dset is None:
             # Smaller than one chunk: one chunk of exactly its size.
             self.chunk = max(self.fill, 1)
@@ -225,8 +231,8 @@ class _Packed:
             # The last, partial chunk: stored whole (its tail zeroed, past the extent).
             self.buffer[self.fill :] = 0
             self._write(group, self.buffer, self.fill)
+        self.dset.set_extent((length,))
         self.fill = 0
-        length = self.dset.shape[0]
         return _Object("dataset", {}, self.dtype.str, (length,))
 
     def _create(self, group: h5py.Group) -> None:
@@ -251,7 +257,13 @@ class _Packed:
         if self.dset is None:
             self._create(group)
         start = self.chunks * self.chunk
-        self.dset.set_extent((start + valid,))
+        if valid < self.chunk:
+            self.dset.set_extent((start + valid,))  # the last chunk: the exact length
+        elif start + valid > self.extent:
+            # Grown 64 chunks at a time (a dataset's extent is metadata libhdf5 rewrites);
+            # the exact length is set by the last chunk, or in finish.
+            self.extent = start + 64 * self.chunk
+            self.dset.set_extent((self.extent,))
         if self.compression:
             space = self.dset.get_space()
             space.select_hyperslab((start,), (valid,))
@@ -269,8 +281,8 @@ class _Packed:
 # Bytes of tensors handed to the writer's thread and not yet written; ``add`` waits above it
 # (a single larger tensor is always accepted).
 _IN_FLIGHT_BYTES = 64 * 2**20
-# Start writing dirty pages back to disk every this many bytes, so the fsync at close
-# waits for the tail only (Linux; elsewhere the fsync does it all).
+# A durable dump starts writing dirty pages back to disk every this many bytes, so the
+# fsync at close waits for the tail only (Linux; elsewhere the fsync does it all).
 _WRITEBACK_BYTES = 16 * 2**20
 
 
@@ -317,6 +329,11 @@ class DumpWriter:
         checksums: ``False`` writes neither the fletcher32 filter (compressed dumps) nor the
             CRC-32C of each tensor, to measure what they cost (``benchmarks/overhead.py``);
             such a dump reads only with ``verify=False``.
+        durable: flush the file to disk (fsync) before the rename and the folder after, so
+            that the dump survives a power loss too. Without it (the default, as for
+            ``torch.save`` or h5py) the dump is still atomic for every process (the rename),
+            and a file an operating-system crash left torn is refused by the reader
+            (``complete``, checksums), never misread.
 
     >>> with DumpWriter("ref.h5", meta={"model": "m.py:build", "dtype": "float32"}) as w:
     ...     w.add_inputs(token_ids)                                  # doctest: +SKIP
@@ -324,9 +341,16 @@ class DumpWriter:
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, meta: dict[str, Any], compress: str | None = None, checksums: bool = True
+        self,
+        path: str | os.PathLike,
+        *,
+        meta: dict[str, Any],
+        compress: str | None = None,
+        checksums: bool = True,
+        durable: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.durable = durable
         if compress not in _COMPRESSIONS:
             raise DumpError(
                 f"{self.path}: compress must be None, 'lzf' or 'gzip', got {compress!r}", path=str(self.path)
@@ -403,7 +427,7 @@ class DumpWriter:
             self._write_meta()
             self._group = self._file.create_group("tensors")
             self._objects["tensors"] = _Object("group", {})
-            if _SYNC_FILE_RANGE is not None:
+            if self.durable and _SYNC_FILE_RANGE is not None:
                 self._fd = os.open(self.tmp_path, os.O_RDONLY)
         except BaseException:
             self._abort()
@@ -513,8 +537,6 @@ class DumpWriter:
             packed = self._packed[entry["data"]] = _Packed(entry["data"], p.flat.dtype, self._compression, self.checksums)
         if packed.length != entry["offset"]:
             raise DumpError(f"{self.path}: tensors/{entry['data']} out of order", path=str(self.path))
-        if self.checksums:
-            entry["crc32c"] = format(google_crc32c.value(p.flat.view(np.uint8)), "08x")
         try:
             packed.append(self._group, p.flat)
         except Exception as exc:
@@ -550,7 +572,7 @@ class DumpWriter:
                 self._objects[f"tensors/{name}"] = packed.finish(self._group)
             self._write_index(f)
             self._file = None
-            finish_file(f, self._root, self._objects, self.tmp_path, self.path)
+            finish_file(f, self._root, self._objects, self.tmp_path, self.path, durable=self.durable)
         except BaseException as exc:
             self._abort()
             if isinstance(exc, Exception) and not isinstance(exc, (DumpError, TensorChanged)):
