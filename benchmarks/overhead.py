@@ -137,6 +137,31 @@ def throughput(arrays: list[np.ndarray], folder: Path) -> dict[str, float]:
             for i, a in enumerate(arrays):
                 f.create_dataset(f"t{i}", data=a, chunks=a.shape)
 
+    flat = np.concatenate([a.reshape(-1) for a in arrays])
+
+    def write_chunks():
+        # The floor under any HDF5 layout: the same bytes (but the last partial chunk) as
+        # whole 1 MiB chunks of one dataset through libhdf5's fastest path, and nothing
+        # else (no checksum, index, staging of partial chunks or metadata).
+        n = 2**18
+        with h5py.File(plain, "w", libver=("v110", "v110")) as f:
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_chunk((n,))
+            dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+            space = h5py.h5s.create_simple((-(-flat.size // n) * n,), (h5py.h5s.UNLIMITED,))
+            dset = h5py.h5d.create(f.id, b"x", h5py.h5t.py_create(flat.dtype), space, dcpl=dcpl)
+            for start in range(0, flat.size - n + 1, n):
+                dset.write_direct_chunk((start,), flat[start : start + n])
+
+    def write_syscall():
+        # The same bytes in one write(2) each from Python (what numpy.tofile also does).
+        fd = os.open(raw, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for a in arrays:
+                os.write(fd, a)
+        finally:
+            os.close(fd)
+
     sites = [Site("block", 0, "ffn", f"m{i}", 0, i, output=torch.from_numpy(a)) for i, a in enumerate(arrays)]
 
     def write_dump(checksums: bool = True, durable: bool = False):
@@ -162,6 +187,8 @@ def throughput(arrays: list[np.ndarray], folder: Path) -> dict[str, float]:
         "h5py plain": write_plain,
         "blockdiff dump": write_dump,
         "blockdiff dump, durable": lambda: write_dump(durable=True),
+        "h5py direct chunks": write_chunks,
+        "os.write": write_syscall,
     }
     times: dict[str, list[float]] = {name: [] for name in writers}
 
@@ -344,6 +371,8 @@ def main() -> None:
     print(f"   durable dump (--fsync) / (tofile + fsync + rename) {rates['blockdiff dump, durable'] / rates['tofile + fsync']:8.3f}"
           f"   [{rates['tofile + fsync'] / 1e9:.2f} vs {rates['blockdiff dump, durable'] / 1e9:.2f} GB/s]; "
           f"plain h5py / tofile {rates['h5py plain'] / rates['tofile']:.3f}")
+    print(f"   bounds of the write path: h5py write_direct_chunk of the same bytes alone / tofile "
+          f"{rates['h5py direct chunks'] / rates['tofile']:.3f}; os.write of each array / tofile {rates['os.write'] / rates['tofile']:.3f}")
     print(f"4. diff / (ref + cand forward), fp32      {full / two_forwards:8.3f}   (goal <= 2.5)   --fast: {fast / two_forwards:.3f}")
     print(f"   the same, candidate weights x (1 + 1e-6 noise): {everywhere / two_differing:.3f}   "
           f"--fast: {everywhere_fast / two_differing:.3f}   (every experiment runs)")

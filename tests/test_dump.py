@@ -543,13 +543,19 @@ def test_schema_3_dump_is_still_read(schema3_path):
     _assert_same_tensor(last.output, tensors["f8e4m3"])
 
 
-def test_schema_3_damage_names_the_site_group(schema3_path):
-    with h5py.File(schema3_path, "r+") as f:
+def _damage_site_3_and_expect_it_named(path: Path) -> None:
+    """Change one element of site group 000003's tensor t1 (through HDF5); reading block 0
+    must fail naming that group and tensor."""
+    with h5py.File(path, "r+") as f:
         dset = f["sites/000003/t1"]
         dset[0, 0] = np.nextafter(dset[0, 0], np.float32(np.inf))
-    with DumpReader(schema3_path) as dump:
+    with DumpReader(path) as dump:
         with pytest.raises(DumpError, match=r"site /sites/000003 .*tensor t1 digest mismatch: the file is damaged"):
             dump.block_sites(0)
+
+
+def test_schema_3_damage_names_the_site_group(schema3_path):
+    _damage_site_3_and_expect_it_named(schema3_path)
 
 
 def test_schema_2_dump_without_floors_is_still_read(schema3_path):
@@ -579,12 +585,7 @@ def test_schema_1_dump_with_zlib_crc32_is_still_read_and_verified(schema3_path):
         assert dump.meta["schema_version"] == 1
         assert dump.verify_all().tensors > 0
         assert len(dump.block_sites(0)) == 5
-    with h5py.File(schema3_path, "r+") as f:
-        dset = f["sites/000003/t1"]
-        dset[0, 0] = np.nextafter(dset[0, 0], np.float32(np.inf))
-    with DumpReader(schema3_path) as dump:
-        with pytest.raises(DumpError, match=r"site /sites/000003 .*tensor t1 digest mismatch: the file is damaged"):
-            dump.block_sites(0)
+    _damage_site_3_and_expect_it_named(schema3_path)
 
 
 def _rewrite_index(f: h5py.File, index: dict, *, crc: bool = True) -> None:
@@ -735,3 +736,37 @@ def test_flipped_metadata_bytes_never_pass_silently(tmp_path):
             assert got == want, f"byte {pos} changed what the dump reads as, undetected"
     # Most of an HDF5 file's metadata bytes matter; unused padding may flip harmlessly.
     assert detected > len(positions) // 2
+
+
+# --------------------------------------------------------------------------- durability
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_only_a_durable_dump_is_flushed_to_disk(tmp_path, monkeypatch, durable):
+    import blockdiff.dump.format as fmt
+
+    flushed = []
+    real = fmt._fsync
+    monkeypatch.setattr(fmt, "_fsync", lambda path: (flushed.append(Path(path)), real(path)))
+    path = tmp_path / "d.h5"
+    with DumpWriter(path, meta=META, durable=durable) as writer:
+        writer.add(_site(args=(torch.ones(3),)))
+    # durable: the file before its rename, then the folder that holds the new name.
+    assert flushed == ([tmp_path / ".d.h5.tmp-{}".format(os.getpid()), tmp_path] if durable else [])
+    with DumpReader(path) as dump:
+        assert torch.equal(dump.sites()[0].args[0], torch.ones(3))
+
+
+def test_capture_fsync_flag_makes_a_durable_dump(tmp_path, monkeypatch, capsys):
+    import blockdiff.dump.format as fmt
+    from tests.conftest import run_cli
+
+    flushed = []
+    monkeypatch.setattr(fmt, "_fsync", flushed.append)
+    out = tmp_path / "ref.h5"
+    code, _, err = run_cli(["capture", "samples/tinylm.py:build", "--out", str(out), "--fsync"], capsys)
+    assert code == 0, err
+    assert flushed[-1] == tmp_path and out.exists()
+    flushed.clear()
+    code, _, err = run_cli(["capture", "samples/tinylm.py:build", "--out", str(tmp_path / "plain.h5")], capsys)
+    assert code == 0 and flushed == [], err
