@@ -101,13 +101,7 @@ def rel_l2(reference: torch.Tensor, candidate: torch.Tensor) -> float:
     >>> rel_l2(torch.ones(4), torch.ones(4))
     0.0
     """
-    work = _work_dtype(reference, candidate)
-    if reference.numel() > CHUNK:
-        sums = _chunk_sums(reference, candidate, work, None)
-    else:
-        r = reference.detach().to("cpu", work)
-        diff = candidate.detach().to("cpu", work) - r
-        sums = float(r.square().sum()), None, float(diff.square().sum())
+    sums = _chunk_sums(reference, candidate, _work_dtype(reference, candidate), None)
     ss_r, _, ss_d = sums[:3] if sums is not None else (math.inf, None, math.inf)
     # ‖c‖² is not summed: when ‖r‖² and ‖c − r‖² are this far from overflowing, so is
     # ‖c‖² ≤ 2‖r‖² + 2‖c − r‖², and metrics() takes the same path to the same number.

@@ -112,3 +112,23 @@ def test_a_floor_module_overwriting_what_it_returned_leaves_the_report_unchanged
     monkeypatch.setattr(PrecisionSide, "record", lambda self, *a, **k: free_runs.append(k.get("hold")) or record(self, *a, **k))
     assert _checks(diff(reference, cand, ids)) == plain
     assert free_runs == ["kept", None]  # held by reference, changed, recorded again with copies
+
+
+def test_a_floor_bit_for_bit_the_candidates_takes_the_checks_number(ids, monkeypatch):
+    """A model against its own bfloat16 cast: each floor experiment computes, bit for bit,
+    what the candidate's computed, so its relative L2 is the check's. The report is the
+    same, number for number, as with every floor summed; and most floors were answered."""
+    from blockdiff.experiments import Experiments
+
+    reference, cand = tinylm.build(), tinylm.build().to(torch.bfloat16)
+    summed = []
+    rel_l2 = experiments_module.rel_l2
+    monkeypatch.setattr(experiments_module, "rel_l2", lambda a, b: summed.append(1) or rel_l2(a, b))
+    answered = diff(reference, cand, ids)
+    left = len(summed)
+    summed.clear()
+    monkeypatch.setattr(Experiments, "floor_l2", lambda self, ref, got, compared=None: experiments_module.rel_l2(ref, got))
+    everything_summed = diff(reference, cand, ids)
+    assert _checks(answered) == _checks(everything_summed)
+    assert answered.first_divergence is None
+    assert len(summed) > 20 and left < len(summed) / 4
