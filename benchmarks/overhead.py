@@ -19,6 +19,7 @@ with CRC-32C checksums against the same dump written with ``checksums=False``.
     python benchmarks/overhead.py            # about three minutes on 2 cores
     python benchmarks/overhead.py --quick    # smaller model, for a smoke run
     python benchmarks/overhead.py --device cuda   # capture overhead of a CUDA model (figures 1, 2)
+    python benchmarks/overhead.py --only 5        # one figure (here 5: the mixed-precision diff)
 """
 
 from __future__ import annotations
@@ -279,8 +280,10 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, for a smoke run")
     parser.add_argument("--device", default="cpu", help="overhead.py: measure capture on this device (cuda)")
+    parser.add_argument("--only", type=int, choices=range(1, 7), help="overhead.py: measure this figure alone")
     args = parser.parse_args()
     DEVICE[0] = torch.device(args.device)
+    ONLY[0] = args.only
     torch.set_num_threads(2)
     sizes, seq = dict(hidden=512, intermediate=1376, vocab=32000), 256
     if args.quick:
@@ -290,6 +293,7 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
 
 
 DEVICE = [torch.device("cpu")]  # --device
+ONLY: list[int | None] = [None]  # --only
 
 
 def on_device(sizes: dict, ids: torch.Tensor, repeat: int) -> None:
@@ -319,6 +323,12 @@ def on_device(sizes: dict, ids: torch.Tensor, repeat: int) -> None:
     print(f"2. capture streamed to HDF5 / forward     {streamed / plain:8.3f}   (goal <= 1.25)")
 
 
+def mixed_line(mixed: dict) -> str:
+    """Figure 5 as printed."""
+    return (f"5. diff fp32 vs bf16, calibrated / (ref + cand forward) {mixed['wall']:6.3f}   (goal <= 3.0)   "
+            f"[wall, pairs {mixed['wall range']}; CPU time {mixed['cpu']:.3f}, pairs {mixed['cpu range']}]")
+
+
 def main() -> None:
     sizes, seq, repeat, ids, quick = setup(__doc__, repeat=5)
     if DEVICE[0].type == "cuda":
@@ -329,6 +339,13 @@ def main() -> None:
     layout = resolve(model)
     print(f"model: {type(model).__name__}, {params / 1e6:.1f}M parameters, 8 blocks, batch 1, seq {seq}, "
           f"float32, CPU, {torch.get_num_threads()} threads")
+    if ONLY[0] == 5:
+        reference, bf16 = build(8, **sizes), build(8, **sizes).to(torch.bfloat16)
+        mixed = interleaved(lambda: (forward(reference, ids), forward(bf16, ids)), lambda: diff(reference, bf16, ids), repeat)
+        print(mixed_line(mixed))
+        return
+    if ONLY[0] is not None:
+        sys.exit(f"--only {ONLY[0]}: only figure 5 runs alone so far")
 
     plain = timed(lambda: forward(model, ids), repeat)
     in_memory = timed(lambda: record(model, layout, MemoryStore(), ids), repeat)
@@ -376,8 +393,7 @@ def main() -> None:
     print(f"4. diff / (ref + cand forward), fp32      {full / two_forwards:8.3f}   (goal <= 2.5)   --fast: {fast / two_forwards:.3f}")
     print(f"   the same, candidate weights x (1 + 1e-6 noise): {everywhere / two_differing:.3f}   "
           f"--fast: {everywhere_fast / two_differing:.3f}   (every experiment runs)")
-    print(f"5. diff fp32 vs bf16, calibrated / (ref + cand forward) {mixed['wall']:6.3f}   (goal <= 3.0)   "
-          f"[wall, pairs {mixed['wall range']}; CPU time {mixed['cpu']:.3f}, pairs {mixed['cpu range']}]")
+    print(mixed_line(mixed))
     print(f"   dump throughput, checksums on / off (goal >= 0.85): write {rates['checksums write on/off']:.3f}, "
           f"read verified / unverified {rates['checksums read on/off']:.3f} (median of 15 interleaved pairs)")
 

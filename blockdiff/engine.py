@@ -376,7 +376,9 @@ def diff(
             "in memory only; diff in memory, or capture the reference alone (blockdiff capture) and replay against it"
         )
     ranking = dict(rank=rank, baseline_dtype=baseline_dtype)
-    localize = lambda: _localize(ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, **ranking)  # noqa: E731
+    localize = lambda free_run: _localize(  # noqa: E731
+        ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, free_run=free_run, **ranking
+    )
     with ExitStack() as stack:
         stack.enter_context(eval_mode(reference))
         stack.enter_context(eval_mode(candidate))
@@ -444,8 +446,9 @@ def replay(
             report = _in_memory(
                 [cand],
                 stored,
-                lambda: _localize(
-                    ref, cand, stored, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, floors=floors
+                lambda free_run: _localize(
+                    ref, cand, stored, tolerance, fast_path=fast_path, capacity_factors=capacity_factors, floors=floors,
+                    free_run=free_run,
                 ),
             )
     report.notes.insert(0, f"replay: the reference is the dump {reference}")
@@ -687,15 +690,12 @@ def _dump_meta(side: LiveSide, inputs: Inputs) -> dict[str, Any]:
 
 
 def _record_in_memory(side: Side, inputs: Inputs) -> MemoryStore:
-    """``side``'s run recorded into memory (the free run of drift floors: nothing runs that
-    model copy again, so what the forward left unchanged stays so)."""
-
-    def attempt(copy: bool) -> MemoryStore:
-        store = MemoryStore(side.meta)
-        _run(side.name, side.record, inputs, store, hold=None if copy else "kept", progress=None)
-        return store
-
-    return with_copies(attempt)
+    """``side``'s run recorded into memory, with copies (the free run of drift floors when
+    nothing checks it after: the experiments run that model copy again, and a module that
+    reuses a buffer it returned would change what a record holding its tensors holds)."""
+    store = MemoryStore(side.meta)
+    _run(side.name, side.record, inputs, store, hold=None, progress=None)
+    return store
 
 
 def _stream(
@@ -716,11 +716,15 @@ def _stream(
     release_freed_memory()
 
 
-def _in_memory(sides: list[LiveSide], inputs: Inputs, localize: Callable[[], Report]) -> Report:
-    """Record each side into memory and localize from there.
+def _in_memory(
+    sides: list[LiveSide], inputs: Inputs, localize: Callable[[Callable[[Side], MemoryStore]], Report]
+) -> Report:
+    """Record each side into memory and localize from there: ``localize(free_run)``, where
+    ``free_run(side)`` records the reference at the candidate's precision (drift floors).
 
-    Memory stores hold the models' own CPU tensors. Should a model write into one of them
-    while localization runs it again (a module reusing a buffer it returned before), the
+    Memory stores hold the models' own CPU tensors, the free run's too. Should a model
+    write into one of them while localization runs it again (a module reusing a buffer it
+    returned before: the free run's modules are the ones the floor experiments run), the
     run is repeated on copies.
     """
 
@@ -730,7 +734,13 @@ def _in_memory(sides: list[LiveSide], inputs: Inputs, localize: Callable[[], Rep
             _run(side.name, side.record, inputs, MemoryStore(side.meta), hold=hold, progress=_progress(side))
             for side in sides
         ]
-        report = localize()
+
+        def free_run(side: Side) -> MemoryStore:
+            store = MemoryStore(side.meta)
+            recordings.append(_run(side.name, side.record, inputs, store, hold=hold, progress=None))
+            return store
+
+        report = localize(free_run)
         if any(recording.changed() for recording in recordings):
             raise TensorChanged("a model changed a recorded tensor in place while it was localized")
         return report

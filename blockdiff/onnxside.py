@@ -452,7 +452,9 @@ def diff_onnx(
         report = engine._in_memory(
             [ref, cand],  # type: ignore[list-item]
             inputs,
-            lambda: engine._localize(ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=()),
+            lambda free_run: engine._localize(
+                ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=(), free_run=free_run
+            ),
         )
     report.notes.append(
         "ONNX Runtime candidate: sites found by the exporter's module scopes, experiments run as sub-graphs; "

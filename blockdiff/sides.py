@@ -455,11 +455,11 @@ class PrecisionSide(LiveSide):
         self, inputs: Inputs, store: SiteStore, *, hold: str | None = None, progress: Callable[[int, int], None] | None = None
     ) -> Recording:
         """The whole model's free run at this precision (the drift floors); ``hold`` as for
-        :func:`~blockdiff.capture.record_once`, but a store in memory gets copies: the
-        experiments run the same modules again, and a module that reuses its output buffer
-        would change what the free run holds."""
+        :func:`~blockdiff.capture.record_once`. The experiments run the same modules again:
+        a store that holds their own tensors (``"kept"``) must be checked after them
+        (``Recording.changed()``), as :func:`~blockdiff.engine._in_memory` does, since a
+        module that reuses its output buffer would change what the free run holds."""
         self.store = store
-        hold = None if hold == "kept" else hold
         return record_once(self.module(""), self.layout, store, inputs, hold=hold, progress=progress)  # type: ignore[arg-type]
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":

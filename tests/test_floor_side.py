@@ -83,3 +83,52 @@ def test_answering_from_recorded_calls_changes_no_number_of_a_mixed_precision_di
         assert first is None
     else:
         assert (first.block, first.subpath) == (2, "ffn")
+
+
+def test_a_floor_module_overwriting_what_it_returned_leaves_the_report_unchanged(ids, monkeypatch):
+    """The free run holds the floor copy's own tensors (no copies). Block 3 of the reference
+    returns one buffer, overwritten by each call: the floor experiments call the copy's
+    block 3 again, which overwrites the free run's block 3 output. The diff notices and
+    runs again on copies: the report is the one of a reference without the buffer."""
+    from blockdiff.sides import PrecisionSide
+
+    cand = bugs.gelu_for_silu(block=2).to(torch.bfloat16)
+    plain = _checks(diff(tinylm.build(), cand, ids))
+    reference = tinylm.build()
+    block = reference.blocks[3]
+
+    class Reusing(type(block)):  # type: ignore[misc]
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            reused = getattr(self, "reused", None)
+            if reused is None or reused.dtype != out.dtype:
+                self.reused = reused = torch.empty_like(out)
+            return reused.copy_(out)
+
+    Reusing.__name__ = Reusing.__qualname__ = type(block).__name__  # the hook map finds it by name
+    block.__class__ = Reusing
+    free_runs = []
+    record = PrecisionSide.record
+    monkeypatch.setattr(PrecisionSide, "record", lambda self, *a, **k: free_runs.append(k.get("hold")) or record(self, *a, **k))
+    assert _checks(diff(reference, cand, ids)) == plain
+    assert free_runs == ["kept", None]  # held by reference, changed, recorded again with copies
+
+
+def test_a_floor_bit_for_bit_the_candidates_takes_the_checks_number(ids, monkeypatch):
+    """A model against its own bfloat16 cast: each floor experiment computes, bit for bit,
+    what the candidate's computed, so its relative L2 is the check's. The report is the
+    same, number for number, as with every floor summed; and most floors were answered."""
+    from blockdiff.experiments import Experiments
+
+    reference, cand = tinylm.build(), tinylm.build().to(torch.bfloat16)
+    summed = []
+    rel_l2 = experiments_module.rel_l2
+    monkeypatch.setattr(experiments_module, "rel_l2", lambda a, b: summed.append(1) or rel_l2(a, b))
+    answered = diff(reference, cand, ids)
+    left = len(summed)
+    summed.clear()
+    monkeypatch.setattr(Experiments, "floor_l2", lambda self, ref, got, compared=None: experiments_module.rel_l2(ref, got))
+    everything_summed = diff(reference, cand, ids)
+    assert _checks(answered) == _checks(everything_summed)
+    assert answered.first_divergence is None
+    assert len(summed) > 20 and left < len(summed) / 4
