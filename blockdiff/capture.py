@@ -90,12 +90,16 @@ class Snapshots:
         A store that writes (``written``, or ``"written"``) gets the site once its device
         copies have landed; one that holds gets them as they are, landed by
         :meth:`finish` at the end of the forward."""
-        if written or self.by_reference == "written":
-            self.device_copies.wait_for(iter_tensors((site.args, site.kwargs, site.output)))
+        tensors = None
+        if (written or self.by_reference == "written") and self.device_copies.in_flight:
+            tensors = list(iter_tensors((site.args, site.kwargs, site.output)))
+            self.device_copies.wait_for(tensors)
         if self.by_reference != "written":
             store.add(site)
             return
-        mine = [self._held[id(t)] for t in iter_tensors((site.args, site.kwargs, site.output)) if id(t) in self._held]
+        if tensors is None:
+            tensors = iter_tensors((site.args, site.kwargs, site.output))
+        mine = [self._held[id(t)] for t in tensors if id(t) in self._held]
         if any(alias._version != version for alias, version in mine):
             raise TensorChanged(f"{site.label}: a tensor it recorded was changed in place before it was written")
         store.add(site)

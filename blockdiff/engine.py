@@ -57,7 +57,7 @@ from .pairing import check_block_counts
 from .report import Report
 from .site import describe_key
 from .sides import DumpSide, LiveSide, PipelineSide, ShardedSide, Side, compiled_code_limits, versions
-from .store import MemoryStore, release_freed_memory
+from .store import MemoryStore
 from .experiments import StoredFloors
 from .tolerance import Tolerance, working_dtype
 from .vocab import DRIFT
@@ -713,7 +713,6 @@ def _stream(
             _run(side.name, side.record, inputs, writer, hold=None if copy else "written", progress=_progress(side))
 
     with_copies(attempt)
-    release_freed_memory()
 
 
 def _in_memory(

@@ -172,14 +172,21 @@ def versions(model: nn.Module) -> dict[str, str]:
     """The versions of torch, of transformers when it is loaded, and of every installed
     package that defines a module class of ``model``: what a dump records, so that a replay
     under other versions (code moved between a module and its caller) can say so."""
-    import importlib.metadata
-
-    found = {"torch": torch.__version__}
     roots = {type(m).__module__.split(".")[0] for m in model.modules()}
     if "transformers" in sys.modules:
         roots.add("transformers")
+    return {"torch": torch.__version__, **_versions(frozenset(roots - {"torch", "builtins", "__main__"}))}
+
+
+@functools.lru_cache(maxsize=64)
+def _versions(roots: frozenset[str]) -> dict[str, str]:
+    """Installed versions of the distributions providing these top-level modules, read
+    once per set (each read opens the distribution's metadata)."""
+    import importlib.metadata
+
+    found = {}
     distributions = _distributions()
-    for root in sorted(roots - {"torch", "builtins", "__main__"}):
+    for root in sorted(roots):
         for name in distributions.get(root, []):
             try:
                 found[name] = importlib.metadata.version(name)

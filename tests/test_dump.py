@@ -770,3 +770,17 @@ def test_capture_fsync_flag_makes_a_durable_dump(tmp_path, monkeypatch, capsys):
     flushed.clear()
     code, _, err = run_cli(["capture", "samples/tinylm.py:build", "--out", str(tmp_path / "plain.h5")], capsys)
     assert code == 0 and flushed == [], err
+
+
+def test_a_file_that_cannot_be_created_fails_the_dump_at_the_next_call(tmp_path):
+    # The folder is fine (checked at once); libhdf5 fails on the writer's thread, where the
+    # file is created while the caller goes on: the next add (or close) raises it.
+    (tmp_path / f".d.h5.tmp-{os.getpid()}").mkdir()
+    writer = DumpWriter(tmp_path / "d.h5", meta=META)
+    with pytest.raises(DumpError, match=r"d\.h5: cannot create the dump: "):
+        writer.add(_site(args=(torch.ones(2),)))
+        writer.close()
+    writer.abort()
+    assert not (tmp_path / "d.h5").exists()
+    with pytest.raises(DumpError, match="the folder .* does not exist"):
+        DumpWriter(tmp_path / "nowhere" / "d.h5", meta=META)

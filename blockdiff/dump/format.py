@@ -98,6 +98,36 @@ def _crc32c(arr: np.ndarray) -> str:
     return format(google_crc32c.value(_byte_view(arr)), "08x")
 
 
+def _crc32c_without_gil() -> Any:
+    """``crc32c_value(pointer, length)`` of the library google-crc32c wraps, called through
+    ctypes, which lets go of the GIL during the call (the extension module holds it), or
+    ``None`` where the library is not found beside the package."""
+    import ctypes
+    import glob
+
+    folder = Path(google_crc32c.__file__).resolve().parent
+    for path in sorted(glob.glob(str(folder.parent / "google_crc32c.libs" / "libcrc32c*.so*"))):
+        try:
+            fn = ctypes.CDLL(path).crc32c_value
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        fn.restype = ctypes.c_uint32
+        return fn
+    return None
+
+
+_CRC32C_VALUE = _crc32c_without_gil()
+
+
+def crc32c_hex(arr: np.ndarray) -> str:
+    """CRC-32C of a C-contiguous array's bytes, 8 hex digits; without holding the GIL where
+    the library allows, so a writer's thread computes it while another thread runs."""
+    if _CRC32C_VALUE is not None and arr.nbytes:
+        return format(_CRC32C_VALUE(arr.ctypes.data, arr.nbytes), "08x")
+    return format(google_crc32c.value(arr.view(np.uint8).reshape(-1)), "08x")
+
+
 def _crc32(arr: np.ndarray) -> str:
     """zlib's CRC-32 of the same bytes: the checksum of schema-1 dumps (blockdiff 0.1)."""
     return format(zlib.crc32(_byte_view(arr)), "08x")
@@ -401,6 +431,7 @@ PACKED_CHUNK_BYTES = 1 << 20
 _INDEX_MAX_BYTES = 1 << 31
 
 
+@functools.lru_cache(maxsize=None)
 def stored_name(dtype: np.dtype) -> str:
     """The packed dataset that holds arrays of this stored numpy dtype: ``tensors/float32``."""
     return np.dtype(dtype).name

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import weakref
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,11 +40,13 @@ from .format import (
     _encode_meta,
     _Object,
     _set_attr,
+    crc32c_hex,
     finish_file,
     stored_name,
 )
 
 _COMPRESSIONS = (None, "lzf", "gzip")
+_BIG_ENDIAN = sys.byteorder == "big"  # a dump's bytes are little-endian
 
 
 def _blockdiff_version() -> str:
@@ -76,9 +80,9 @@ def _encode_attr(key: str, value: Any) -> tuple[Any, bool]:
 
 
 class _Pending:
-    """One tensor of a site on its way to the writer's thread: its index entry, its bytes
-    as stored, and, for a tensor the capture holds by reference, the tensor and the version
-    counter it had when handed over (its checksum was taken then)."""
+    """One tensor of a site on its way to the writer's thread: its index entry (the thread
+    adds its checksum), its bytes as stored, and, for a tensor the capture holds by
+    reference, the tensor and the version counter it had when handed over."""
 
     __slots__ = ("entry", "flat", "holder", "version", "site")
 
@@ -153,7 +157,9 @@ class _Encoder:
         if t.layout != torch.strided or t.is_quantized:
             raise DumpError(f"cannot store a {t.layout} / {t.dtype} tensor: only dense tensors are supported")
         original = t
-        t = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+        t = t.detach()
+        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+            t = t.to("cpu").resolve_conj().resolve_neg().contiguous()
         if t.dtype in _NUMPY_NATIVE:
             arr = t.numpy()
         elif t.element_size() in _RAW_BITS:
@@ -161,15 +167,13 @@ class _Encoder:
             arr = t.view(signed).numpy().view(unsigned)
         else:
             raise DumpError(f"cannot store a {t.dtype} tensor: element size {t.element_size()} bytes")
-        flat = np.ascontiguousarray(arr.reshape(-1), dtype=arr.dtype.newbyteorder("<"))
+        flat = arr.reshape(-1)
+        if _BIG_ENDIAN:
+            flat = np.ascontiguousarray(flat, dtype=flat.dtype.newbyteorder("<"))
         data = stored_name(flat.dtype)
         offset = self.writer._reserved.get(data, 0) + self.reserved.get(data, 0)
         self.reserved[data] = self.reserved.get(data, 0) + flat.size
         entry = {"data": data, "offset": offset, "count": int(flat.size), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-        if self.writer.checksums:
-            # Here, on the caller's thread: it runs alongside the writer's thread writing
-            # the tensors before this one (libhdf5 lets go of the GIL while it writes).
-            entry["crc32c"] = format(google_crc32c.value(flat.view(np.uint8)), "08x")
         ref = len(self.writer._tensors) + len(self.pending)
         # A tensor the model still owns may be written to in place before the thread has
         # copied it: its version counter, checked after the copy, says so.
@@ -281,6 +285,8 @@ class _Packed:
 # Bytes of tensors handed to the writer's thread and not yet written; ``add`` waits above it
 # (a single larger tensor is always accepted).
 _IN_FLIGHT_BYTES = 64 * 2**20
+# Tensors are handed over once this many bytes were added (or at close).
+_BATCH_BYTES = 8 * 2**20
 # A durable dump starts writing dirty pages back to disk every this many bytes, so the
 # fsync at close waits for the tail only (Linux; elsewhere the fsync does it all).
 _WRITEBACK_BYTES = 16 * 2**20
@@ -315,9 +321,10 @@ class DumpWriter:
     file to ``path`` atomically. An exception inside the ``with`` block, or :meth:`abort`,
     removes the temporary file and leaves nothing at ``path``.
 
-    :meth:`add` encodes a site and hands its tensors to the writer's thread, which writes
-    them while the caller goes on (the forward is not held by libhdf5). The thread keeps a
-    reference to each tensor until its bytes are written, at most 64 MiB of them at a time;
+    :meth:`add` encodes a site and hands its tensors to the writer's thread (8 MiB at a
+    time), which writes them and takes their checksums while the caller goes on (the
+    forward is not held by libhdf5). The thread keeps a reference to each tensor until its
+    bytes are written, at most 64 MiB of them at a time;
     a tensor changed in place before then (its version counter moved) fails the dump with
     :class:`~blockdiff.errors.TensorChanged`, at the next :meth:`add` or at :meth:`close`.
 
@@ -377,22 +384,27 @@ class DumpWriter:
         self._objects: dict[str, _Object] = {}
         self._meta_keys: list[str] = []
         self._file: h5py.File | None = None
+        self._created = False
         self._packed: dict[str, _Packed] = {}
         self._failed: BaseException | None = None  # the first failure on the writer's thread
         self._in_flight = 0
         self._room = threading.Condition()
+        self._queued: deque[_Pending] = deque()  # handed to the thread, not written yet
+        self._batch: list[_Pending] = []  # added, not handed to the thread yet
+        self._batch_bytes = 0
         self._unsynced = 0
         self._fd: int | None = None
         # Every libhdf5 call of this writer runs on one thread of its own: glibc gives that
         # thread its own heap, so libhdf5's long-lived small allocations do not pin the heap
         # between the model's freed activations (they did, and a streamed capture's resident
         # size grew by ~12 MiB per block); and the forward does not wait for them.
+        problem = _folder_problem(self.path.parent)
+        if problem is not None:
+            raise DumpError(f"{self.path}: cannot create the dump: {problem}", path=str(self.path))
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="blockdiff-dump")
-        try:
-            self._on_worker(self._create)
-        except BaseException:
-            self._stop_worker()
-            raise
+        # The file is created on the writer's thread while the caller goes on; a failure
+        # there is raised by the next add or by close.
+        self._worker.submit(self._create)
 
     def _on_worker(self, fn: Callable, *args: Any) -> Any:
         """Run ``fn`` on the writer's thread after everything handed to it, and wait."""
@@ -411,10 +423,11 @@ class DumpWriter:
     def _create(self) -> None:
         try:
             self._file = h5py.File(self.tmp_path, "w", libver=LIBVER)
+            self._created = True
         except Exception as exc:
-            raise DumpError(
-                f"{self.path}: cannot create the dump: {_why_not_created(self.path.parent, exc)}", path=str(self.path)
-            ) from exc
+            problem = _folder_problem(self.path.parent) or _one_line(exc)
+            self._failed = DumpError(f"{self.path}: cannot create the dump: {problem}", path=str(self.path))
+            return
         try:
             for key, value in (
                 ("format", FORMAT),
@@ -429,9 +442,9 @@ class DumpWriter:
             self._objects["tensors"] = _Object("group", {})
             if self.durable and _SYNC_FILE_RANGE is not None:
                 self._fd = os.open(self.tmp_path, os.O_RDONLY)
-        except BaseException:
+        except BaseException as exc:
             self._abort()
-            raise
+            self._failed = exc
 
     # -- SiteStore (write side)
 
@@ -510,19 +523,32 @@ class DumpWriter:
                 pass
         if not enc.pending:
             return
-        nbytes = sum(p.flat.nbytes for p in enc.pending)
+        self._batch.extend(enc.pending)
+        self._batch_bytes += sum(p.flat.nbytes for p in enc.pending)
+        if self._batch_bytes >= _BATCH_BYTES:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Hand the tensors added since the last time to the writer's thread (in batches:
+        each hand-over wakes the thread and passes the GIL back and forth)."""
+        pending, nbytes = self._batch, self._batch_bytes
+        if not pending:
+            return
+        self._batch, self._batch_bytes = [], 0
         with self._room:
             while self._in_flight and self._in_flight + nbytes > _IN_FLIGHT_BYTES and self._failed is None:
                 self._room.wait()
             self._in_flight += nbytes
         self._check_open()
-        self._worker.submit(self._write_tensors, enc.pending, nbytes)
+        self._queued.extend(pending)
+        self._worker.submit(self._write_tensors, pending, nbytes)
 
     def _write_tensors(self, pending: list[_Pending], nbytes: int) -> None:
         try:
             if self._failed is None:
                 for p in pending:
                     self._write_tensor(p)
+                    self._queued.popleft()
         except BaseException as exc:
             self._failed = self._failed or exc
         finally:
@@ -543,6 +569,10 @@ class DumpWriter:
             raise DumpError(
                 f"{self.path}: cannot write site {p.site}: {type(exc).__name__}: {_one_line(exc)}", path=str(self.path), site=p.site
             ) from exc
+        if self.checksums and "crc32c" not in entry:
+            # Here, on the writer's thread, without the GIL (crc32c_hex), after the write:
+            # at close the caller takes the last tensors' while they are written.
+            entry["crc32c"] = crc32c_hex(p.flat)
         if p.holder is not None and p.holder._version != p.version:
             raise TensorChanged(f"{p.site}: a tensor it recorded was changed in place before it was written")
         self._unsynced += p.flat.nbytes
@@ -555,13 +585,22 @@ class DumpWriter:
 
     def close(self) -> None:
         """Finish the dump: the index, metadata digest, ``complete`` last, atomic rename."""
+        if self._worker is not None and self._failed is None:
+            self._hand_over()
+        if self.checksums and self._failed is None:
+            # While the thread writes what is left, take the checksums it has not taken
+            # yet, from the last tensor back (the thread goes from the first on).
+            for p in reversed(list(self._queued)):
+                if "crc32c" not in p.entry:
+                    p.entry["crc32c"] = crc32c_hex(p.flat)
         try:
             self._on_worker(self._close)
         finally:
             self._stop_worker()
 
     def _close(self) -> None:
-        if self._file is None:
+        if self._file is None:  # closed before, or never created
+            self._raise_failure()
             return
         f = self._file
         try:
@@ -612,10 +651,11 @@ class DumpWriter:
                 f.close()
             except Exception:
                 pass  # the file is being thrown away; its removal below is what matters
-        try:
-            os.remove(self.tmp_path)
-        except FileNotFoundError:
-            pass
+        if self._created:  # only a file this writer made
+            try:
+                os.remove(self.tmp_path)
+            except FileNotFoundError:
+                pass
 
     def __enter__(self) -> "DumpWriter":
         return self
@@ -685,13 +725,14 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def _why_not_created(folder: Path, exc: Exception) -> str:
-    """Why a file could not be created in ``folder``, in the user's words where the folder
-    explains it (libhdf5's own message names the temporary file and its internals)."""
+def _folder_problem(folder: Path) -> str | None:
+    """Why a file cannot be created in ``folder``, in the user's words, or ``None`` when
+    the folder looks fine (libhdf5's own message names the temporary file and its
+    internals)."""
     if not folder.exists():
         return f"the folder {folder} does not exist"
     if not folder.is_dir():
         return f"{folder} is not a folder"
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"the folder {folder} is not writable"
-    return str(exc)
+    return None
