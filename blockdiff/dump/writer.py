@@ -289,7 +289,7 @@ _IN_FLIGHT_BYTES = 64 * 2**20
 _BATCH_BYTES = 8 * 2**20
 # A durable dump starts writing dirty pages back to disk every this many bytes, so the
 # fsync at close waits for the tail only (Linux; elsewhere the fsync does it all).
-_WRITEBACK_BYTES = 16 * 2**20
+_WRITEBACK_BYTES = 8 * 2**20
 
 
 def _sync_file_range() -> Callable | None:
