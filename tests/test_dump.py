@@ -784,3 +784,22 @@ def test_a_file_that_cannot_be_created_fails_the_dump_at_the_next_call(tmp_path)
     assert not (tmp_path / "d.h5").exists()
     with pytest.raises(DumpError, match="the folder .* does not exist"):
         DumpWriter(tmp_path / "nowhere" / "d.h5", meta=META)
+
+
+def test_a_tensor_changed_in_place_before_the_writer_copied_it_fails_the_dump(tmp_path):
+    import threading
+
+    from blockdiff.errors import TensorChanged
+
+    path = tmp_path / "d.h5"
+    writer = DumpWriter(path, meta=META)
+    gate = threading.Event()
+    writer._worker.submit(gate.wait)  # the writer's thread is busy until the gate opens
+    held = torch.zeros(4, 8)
+    writer.add(_site(output=held))
+    held.add_(1.0)  # the model writes into the tensor it returned, before the thread copied it
+    writer._hand_over()
+    gate.set()
+    with pytest.raises(TensorChanged, match=r"sites\[0\] .*changed in place before it was written"):
+        writer.close()
+    assert not path.exists() and not list(tmp_path.iterdir())

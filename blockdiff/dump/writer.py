@@ -590,7 +590,7 @@ class DumpWriter:
         if self.checksums and self._failed is None:
             # While the thread writes what is left, take the checksums it has not taken
             # yet, from the last tensor back (the thread goes from the first on).
-            for p in reversed(list(self._queued)):
+            for p in reversed(tuple(self._queued)):  # a copy: the thread pops from the left
                 if "crc32c" not in p.entry:
                     p.entry["crc32c"] = crc32c_hex(p.flat)
         try:
@@ -639,6 +639,8 @@ class DumpWriter:
 
     def abort(self) -> None:
         """Discard the dump: close and remove the temporary file; nothing at ``path``."""
+        if self._failed is None:  # what waits for the thread is not written any more
+            self._failed = DumpError(f"{self.path}: the dump was discarded", path=str(self.path))
         try:
             self._on_worker(self._abort)
         finally:
