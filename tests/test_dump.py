@@ -803,3 +803,38 @@ def test_a_tensor_changed_in_place_before_the_writer_copied_it_fails_the_dump(tm
     with pytest.raises(TensorChanged, match=r"sites\[0\] .*changed in place before it was written"):
         writer.close()
     assert not path.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("compress", [None, "lzf"])
+def test_tensors_across_chunk_boundaries_round_trip(tmp_path, compress):
+    # Whole 1 MiB chunks straight from a tensor, partial ones through the staging buffer,
+    # a tensor starting mid-chunk and spanning three, the last chunk partial; two dtypes
+    # interleaved (each its own dataset); more than the 8 MiB handed over at a time.
+    g = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.randn(1000, generator=g),
+        torch.randn(3 * 2**18 + 17, generator=g),  # 3 chunks and a bit, from mid-chunk
+        torch.randn(2**18, generator=g).to(torch.bfloat16),
+        torch.randn(2**18, generator=g),  # exactly one chunk's elements, not aligned
+        torch.randn(9 * 2**18, generator=g),  # 9 MiB
+        torch.randn(5, generator=g).to(torch.bfloat16),
+    ]
+    sites = [_site(block=i, module=f"m{i}", output=t) for i, t in enumerate(tensors)]
+    path = _write(tmp_path / "d.h5", sites, compress=compress)
+    with DumpReader(path) as dump:
+        assert dump.verify_all().tensors == len(tensors)
+        for i, want in enumerate(tensors):
+            _assert_same_tensor(dump.block_sites(i)[0].output, want)
+    with h5py.File(path, "r") as f:
+        assert f["tensors/float32"].shape == (sum(t.numel() for t in tensors if t.dtype == torch.float32),)
+        assert f["tensors/uint16"].shape == (2**18 + 5,)
+
+
+def test_meta_changed_before_close_is_what_the_dump_records(tmp_path):
+    path = tmp_path / "d.h5"
+    with DumpWriter(path, meta=META) as writer:
+        writer.add(_site(args=(torch.ones(2),)))
+        writer.meta["ranks"] = 2
+        writer.meta["layers"] = 3
+    with DumpReader(path) as dump:  # the metadata digest covers them too
+        assert dump.meta["ranks"] == 2 and dump.meta["layers"] == 3 and dump.meta["model"] == META["model"]

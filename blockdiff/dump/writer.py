@@ -383,6 +383,7 @@ class DumpWriter:
         self._root: dict[str, Any] = {}
         self._objects: dict[str, _Object] = {}
         self._meta_keys: list[str] = []
+        self._meta_written: list[tuple[str, Any, bool]] | None = None
         self._file: h5py.File | None = None
         self._created = False
         self._packed: dict[str, _Packed] = {}
@@ -605,7 +606,6 @@ class DumpWriter:
         f = self._file
         try:
             self._raise_failure()
-            self._check_meta()
             self._write_meta()
             for name, packed in self._packed.items():
                 self._objects[f"tensors/{name}"] = packed.finish(self._group)
@@ -695,7 +695,9 @@ class DumpWriter:
             f"{self.path}: cannot write the dump: {type(failed).__name__}: {_one_line(failed)}", path=str(self.path)
         ) from failed
 
-    def _check_meta(self) -> None:
+    def _check_meta(self) -> list[tuple[str, Any, bool]]:
+        """Every meta entry as stored, ``(key, value, is_json)``, after checking the keys."""
+        encoded = []
         for key in self.meta:
             if not isinstance(key, str) or not key:
                 raise DumpError(f"{self.path}: meta keys must be non-empty strings, got {key!r}", path=str(self.path))
@@ -705,22 +707,28 @@ class DumpWriter:
                     f"(reserved: {', '.join(STANDARD_ATTRIBUTES)})",
                     path=str(self.path),
                 )
-            _encode_attr(key, self.meta[key])
+            encoded.append((key, *_encode_attr(key, self.meta[key])))
+        return encoded
 
     def _write_meta(self) -> None:
+        """The meta entries as file attributes (again at close, should ``meta`` have
+        changed since the dump was created)."""
+        encoded = self._check_meta()
+        if encoded == self._meta_written:
+            return
         f = self._file
         for key in [*self._meta_keys, "json_attributes"]:
             if key in f.attrs:
                 del f.attrs[key]
                 del self._root[key]
         json_keys = []
-        for key, value in self.meta.items():
-            stored, is_json = _encode_attr(key, value)
+        for key, stored, is_json in encoded:
             self._root[key] = _set_attr(f, key, stored)
             if is_json:
                 json_keys.append(key)
         self._root["json_attributes"] = _set_attr(f, "json_attributes", json.dumps(json_keys))
         self._meta_keys = list(self.meta)
+        self._meta_written = encoded
 
 def _one_line(exc: BaseException) -> str:
     """An exception's message on one line (libhdf5's carry the time, newline included)."""
