@@ -363,7 +363,7 @@ class DumpWriter:
                 f"{self.path}: compress must be None, 'lzf' or 'gzip', got {compress!r}", path=str(self.path)
             )
         self.meta: dict[str, Any] = dict(meta)
-        self._check_meta()
+        encoded_meta = self._check_meta()
         self.compress = compress
         self.checksums = checksums
         self._compression: dict[str, Any] = {}
@@ -405,7 +405,7 @@ class DumpWriter:
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="blockdiff-dump")
         # The file is created on the writer's thread while the caller goes on; a failure
         # there is raised by the next add or by close.
-        self._worker.submit(self._create)
+        self._worker.submit(self._create, encoded_meta)
 
     def _on_worker(self, fn: Callable, *args: Any) -> Any:
         """Run ``fn`` on the writer's thread after everything handed to it, and wait."""
@@ -421,7 +421,7 @@ class DumpWriter:
             os.close(self._fd)
             self._fd = None
 
-    def _create(self) -> None:
+    def _create(self, encoded_meta: list[tuple[str, Any, bool]]) -> None:
         try:
             self._file = h5py.File(self.tmp_path, "w", libver=LIBVER)
             self._created = True
@@ -438,7 +438,8 @@ class DumpWriter:
                 ("created", datetime.now(timezone.utc).isoformat(timespec="seconds")),
             ):
                 self._root[key] = _set_attr(self._file, key, value)
-            self._write_meta()
+            # Encoded by the caller: it may change ``meta`` while this thread works.
+            self._write_meta(encoded_meta)
             self._group = self._file.create_group("tensors")
             self._objects["tensors"] = _Object("group", {})
             if self.durable and _SYNC_FILE_RANGE is not None:
@@ -710,10 +711,11 @@ class DumpWriter:
             encoded.append((key, *_encode_attr(key, self.meta[key])))
         return encoded
 
-    def _write_meta(self) -> None:
+    def _write_meta(self, encoded: list[tuple[str, Any, bool]] | None = None) -> None:
         """The meta entries as file attributes (again at close, should ``meta`` have
         changed since the dump was created)."""
-        encoded = self._check_meta()
+        if encoded is None:
+            encoded = self._check_meta()
         if encoded == self._meta_written:
             return
         f = self._file
