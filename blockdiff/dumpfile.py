@@ -129,7 +129,7 @@ def reference_sites(path: str | os.PathLike) -> list[ReferenceSite]:
     found = []
     with _open_reference(path) as f:
         if "index" in f:  # schema 4: the JSON index
-            index, _ = read_index(f)
+            index = read_index(f)
             for record in index["sites"]:
                 shapes = tuple(tuple(index["tensors"][ref]["shape"]) for ref in _tensor_refs(record["structure"]["output"]))
                 found.append(_reference_site(record, shapes))
@@ -163,7 +163,7 @@ def reference_inputs(path: str | os.PathLike) -> Any:
     of them when the model took several), or ``None`` when the dump has none."""
     with _open_reference(path) as f:
         if "index" in f:
-            index, _ = read_index(f)
+            index = read_index(f)
             if index.get("inputs") is None:
                 return None
 

@@ -26,10 +26,9 @@ the localizer (:mod:`blockdiff.localize`) never branches on kinds.
 
 from __future__ import annotations
 
-import functools
-
 import contextlib
 import copy
+import functools
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 

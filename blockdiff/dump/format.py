@@ -88,16 +88,6 @@ def _byte_view(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
-def _crc32c(arr: np.ndarray) -> str:
-    """CRC-32C (Castagnoli) of an array's bytes in C order, little-endian, as 8 hex digits.
-
-    The checksum of every tensor in a schema-2 dump. It catches every flip of up to three
-    bits and every burst of up to 32, and runs at 13-28 GB/s (SSE4.2 instructions, through
-    google-crc32c) where zlib's CRC-32 runs at 4: checksums cost a dump 2-5% of its write
-    and read time instead of 30% (``benchmarks/overhead.py``)."""
-    return format(google_crc32c.value(_byte_view(arr)), "08x")
-
-
 def _crc32c_without_gil() -> Any:
     """``crc32c_value(pointer, length)`` of the library google-crc32c wraps, called through
     ctypes, which lets go of the GIL during the call (the extension module holds it), or
@@ -120,12 +110,19 @@ def _crc32c_without_gil() -> Any:
 _CRC32C_VALUE = _crc32c_without_gil()
 
 
-def crc32c_hex(arr: np.ndarray) -> str:
-    """CRC-32C of a C-contiguous array's bytes, 8 hex digits; without holding the GIL where
-    the library allows, so a writer's thread computes it while another thread runs."""
-    if _CRC32C_VALUE is not None and arr.nbytes:
-        return format(_CRC32C_VALUE(arr.ctypes.data, arr.nbytes), "08x")
-    return format(google_crc32c.value(arr.view(np.uint8).reshape(-1)), "08x")
+def _crc32c(arr: np.ndarray) -> str:
+    """CRC-32C (Castagnoli) of an array's bytes in C order, little-endian, as 8 hex digits.
+
+    The checksum of every tensor since schema 2. It catches every flip of up to three bits
+    and every burst of up to 32, and runs at 13-28 GB/s (SSE4.2 instructions, through
+    google-crc32c) where zlib's CRC-32 runs at 4: checksums cost a dump 2-5% of its write
+    and read time instead of 30% (``benchmarks/overhead.py``). Through ctypes where the
+    library is found, which lets go of the GIL: a dump writer's thread takes checksums
+    while the forward goes on."""
+    data = _byte_view(arr)
+    if _CRC32C_VALUE is not None and data.nbytes:
+        return format(_CRC32C_VALUE(data.ctypes.data, data.nbytes), "08x")
+    return format(google_crc32c.value(data), "08x")
 
 
 def _crc32(arr: np.ndarray) -> str:
@@ -437,9 +434,9 @@ def stored_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).name
 
 
-def read_index(f: h5py.File) -> tuple[dict[str, Any], bytes]:
-    """The JSON index of a packed dump, checked against its CRC-32C (when the dump has one),
-    and its bytes as stored. Raises ``ValueError`` for a damaged one."""
+def read_index(f: h5py.File) -> dict[str, Any]:
+    """The JSON index of a packed dump, checked against its CRC-32C (when the dump has one).
+    Raises ``ValueError`` for a damaged one."""
     if "index" not in f:
         raise ValueError("/index is missing")
     dset = f["index"]
@@ -460,7 +457,7 @@ def read_index(f: h5py.File) -> tuple[dict[str, Any], bytes]:
     index = json.loads(data)
     if not isinstance(index, dict) or not isinstance(index.get("tensors"), list) or not isinstance(index.get("sites"), list):
         raise ValueError("/index is not a blockdiff index")
-    return index, data
+    return index
 
 
 def check_packing(index: dict[str, Any], lengths: dict[str, int]) -> None:

@@ -332,7 +332,7 @@ class DumpReader:
                 if obj.kind != "dataset" or len(obj.shape) != 1:
                     raise ValueError(f"/{path} is not a 1-D dataset")
                 self._data[name] = f[path]
-        self._index, _ = read_index(f)
+        self._index = read_index(f)
         check_packing(self._index, {name: dset.shape[0] for name, dset in self._data.items()})
         entries = []
         for i, record in enumerate(self._index["sites"]):

@@ -40,7 +40,7 @@ from .format import (
     _encode_meta,
     _Object,
     _set_attr,
-    crc32c_hex,
+    _crc32c,
     finish_file,
     stored_name,
 )
@@ -189,7 +189,8 @@ class _Packed:
     """One stored dtype's dataset, ``tensors/<dtype>``: elements appended in order, written
     in whole chunks as they fill (a staging buffer collects what does not fill one)."""
 
-    def __init__(self, name: str, dtype: np.dtype, compression: dict[str, Any], checksums: bool) -> None:
+    def __init__(self, group: h5py.Group, name: str, dtype: np.dtype, compression: dict[str, Any], checksums: bool) -> None:
+        self.group = group
         self.name = name
         self.dtype = np.dtype(dtype)
         self.chunk = max(1, PACKED_CHUNK_BYTES // self.dtype.itemsize)
@@ -205,11 +206,11 @@ class _Packed:
     def length(self) -> int:
         return self.chunks * self.chunk + self.fill
 
-    def append(self, group: h5py.Group, flat: np.ndarray) -> None:
+    def append(self, flat: np.ndarray) -> None:
         pos, n = 0, flat.size
         while pos < n:
             if self.fill == 0 and n - pos >= self.chunk:  # a whole chunk straight from the tensor
-                self._write(group, flat[pos : pos + self.chunk], self.chunk)
+                self._write(flat[pos : pos + self.chunk], self.chunk)
                 pos += self.chunk
                 continue
             if self.buffer is None:
@@ -220,29 +221,29 @@ class _Packed:
             pos += take
             if self.fill == self.chunk:
                 self.fill = 0
-                self._write(group, self.buffer, self.chunk)
+                self._write(self.buffer, self.chunk)
 
-    def finish(self, group: h5py.Group) -> _Object:
+    def finish(self) -> _Object:
         """Write what is left; returns what the metadata digest records of the dataset."""
         length = self.length
         if self.dset is None:
             # Smaller than one chunk: one chunk of exactly its size.
             self.chunk = max(self.fill, 1)
-            self._create(group)
+            self._create()
             if self.fill:
-                self._write(group, self.buffer[: self.fill], self.fill)
+                self._write(self.buffer[: self.fill], self.fill)
         elif self.fill:
             # The last, partial chunk: stored whole (its tail zeroed, past the extent).
             self.buffer[self.fill :] = 0
-            self._write(group, self.buffer, self.fill)
+            self._write(self.buffer, self.fill)
         self.dset.set_extent((length,))
         self.fill = 0
         return _Object("dataset", {}, self.dtype.str, (length,))
 
-    def _create(self, group: h5py.Group) -> None:
+    def _create(self) -> None:
         if self.compression:
             # fletcher32 guards compressed chunks before they reach the decompressor.
-            dset = group.create_dataset(
+            dset = self.group.create_dataset(
                 self.name, shape=(0,), maxshape=(None,), chunks=(self.chunk,), dtype=self.dtype,
                 fletcher32=self.checksums, track_times=False, **self.compression,
             )
@@ -253,13 +254,13 @@ class _Packed:
         dcpl.set_obj_track_times(False)
         dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every chunk is written whole, at once
         space = h5py.h5s.create_simple((0,), (h5py.h5s.UNLIMITED,))
-        self.dset = h5py.h5d.create(group.id, self.name.encode(), h5py.h5t.py_create(self.dtype, logical=1), space, dcpl=dcpl)
+        self.dset = h5py.h5d.create(self.group.id, self.name.encode(), h5py.h5t.py_create(self.dtype, logical=1), space, dcpl=dcpl)
 
-    def _write(self, group: h5py.Group, data: np.ndarray, valid: int) -> None:
+    def _write(self, data: np.ndarray, valid: int) -> None:
         """Chunk number ``self.chunks``: ``data`` (a whole chunk's elements), of which the
         first ``valid`` are inside the dataset."""
         if self.dset is None:
-            self._create(group)
+            self._create()
         start = self.chunks * self.chunk
         if valid < self.chunk:
             self.dset.set_extent((start + valid,))  # the last chunk: the exact length
@@ -562,19 +563,19 @@ class DumpWriter:
         entry = p.entry
         packed = self._packed.get(entry["data"])
         if packed is None:
-            packed = self._packed[entry["data"]] = _Packed(entry["data"], p.flat.dtype, self._compression, self.checksums)
+            packed = self._packed[entry["data"]] = _Packed(self._group, entry["data"], p.flat.dtype, self._compression, self.checksums)
         if packed.length != entry["offset"]:
             raise DumpError(f"{self.path}: tensors/{entry['data']} out of order", path=str(self.path))
         try:
-            packed.append(self._group, p.flat)
+            packed.append(p.flat)
         except Exception as exc:
             raise DumpError(
                 f"{self.path}: cannot write site {p.site}: {type(exc).__name__}: {_one_line(exc)}", path=str(self.path), site=p.site
             ) from exc
         if self.checksums and "crc32c" not in entry:
-            # Here, on the writer's thread, without the GIL (crc32c_hex), after the write:
+            # Here, on the writer's thread, without the GIL (_crc32c), after the write:
             # at close the caller takes the last tensors' while they are written.
-            entry["crc32c"] = crc32c_hex(p.flat)
+            entry["crc32c"] = _crc32c(p.flat)
         if p.holder is not None and p.holder._version != p.version:
             raise TensorChanged(f"{p.site}: a tensor it recorded was changed in place before it was written")
         self._unsynced += p.flat.nbytes
@@ -594,7 +595,7 @@ class DumpWriter:
             # yet, from the last tensor back (the thread goes from the first on).
             for p in reversed(tuple(self._queued)):  # a copy: the thread pops from the left
                 if "crc32c" not in p.entry:
-                    p.entry["crc32c"] = crc32c_hex(p.flat)
+                    p.entry["crc32c"] = _crc32c(p.flat)
         try:
             self._on_worker(self._close)
         finally:
@@ -609,7 +610,7 @@ class DumpWriter:
             self._raise_failure()
             self._write_meta()
             for name, packed in self._packed.items():
-                self._objects[f"tensors/{name}"] = packed.finish(self._group)
+                self._objects[f"tensors/{name}"] = packed.finish()
             self._write_index(f)
             self._file = None
             finish_file(f, self._root, self._objects, self.tmp_path, self.path, durable=self.durable)
