@@ -620,7 +620,11 @@ def main(argv: list[str] | None = None) -> Any:
     _state["debug"] = bool(os.environ.get("BLOCKDIFF_DEBUG"))  # --debug sets it per run
     from . import distributed
 
-    if distributed.launched():
+    try:
+        launched = distributed.launched()
+    except ValueError as exc:  # a launcher's variables that are not numbers
+        _fail(f"cannot join the launched run: {exc}", exc)
+    if launched:
         _one_rank(argv)
     _main(argv)
 
@@ -637,11 +641,11 @@ def _one_rank(argv: list[str] | None) -> None:
 
     try:
         distributed.init_from_env()
+        watch = _state["watch"] = distributed.FailureWatch(code=EXIT_ERROR)
+        if watch.rank != 0:
+            _silenced()
     except Exception as exc:
         _fail(f"cannot join the launched run ({type(exc).__name__}: {exc})", exc)
-    watch = _state["watch"] = distributed.FailureWatch(code=EXIT_ERROR)
-    if watch.rank != 0:
-        _silenced()
     code: Any = 0
     try:
         _main(argv)

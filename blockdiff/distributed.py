@@ -48,8 +48,17 @@ LAYOUT_ATTR = "_blockdiff_layout"
 
 
 def launched() -> bool:
-    """Whether this process is one rank of a launch (``torchrun`` sets these variables)."""
-    return all(name in os.environ for name in _LAUNCH_ENV) and int(os.environ["WORLD_SIZE"]) > 1
+    """Whether this process is one rank of a launch (``torchrun`` sets these variables).
+
+    Raises:
+        ValueError: ``WORLD_SIZE`` is not a number.
+    """
+    if not all(name in os.environ for name in _LAUNCH_ENV):
+        return False
+    try:
+        return int(os.environ["WORLD_SIZE"]) > 1
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number") from None
 
 
 def active() -> bool:

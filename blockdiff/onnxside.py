@@ -75,15 +75,27 @@ class OnnxModel:
     """
 
     def __init__(self, model: Any, *, providers: list[str] | None = None, optimization: Any = None, label: str | None = None) -> None:
-        import onnx
-        import onnxruntime as ort
+        try:
+            import onnx
+            import onnxruntime as ort
+        except ImportError as exc:
+            raise ModelSpecError(
+                f"an ONNX candidate needs the onnx and onnxruntime packages ({exc}): pip install 'blockdiff[onnx]'",
+                spec=str(model),
+            ) from None
 
         self.path = None if isinstance(model, onnx.ModelProto) else Path(model)
         if self.path is not None and not self.path.is_file():
             raise ModelSpecError(f"{self.path}: no such ONNX file", spec=str(self.path))
-        loaded = model if self.path is None else onnx.load(str(self.path))
-        # Shapes of every intermediate value: what sub-graph extraction types its inputs with.
-        self.proto = onnx.shape_inference.infer_shapes(loaded)
+        try:
+            loaded = model if self.path is None else onnx.load(str(self.path))
+            # Shapes of every intermediate value: what sub-graph extraction types its inputs with.
+            self.proto = onnx.shape_inference.infer_shapes(loaded)
+        except Exception as exc:  # protobuf's DecodeError, onnx's checker and inference errors
+            raise ModelSpecError(
+                f"{self.path or 'the ONNX model'} cannot be read as an ONNX model: {type(exc).__name__}: {exc}",
+                spec=str(self.path or model),
+            ) from None
         self.providers = providers or ["CPUExecutionProvider"]
         self.optimization = ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimization is None else optimization
         self.label = label or (str(self.path) if self.path else self.proto.graph.name or "onnx model")

@@ -62,6 +62,7 @@ def factories(tmp_path: Path) -> Path:
         with h5py.File(tmp_path / name, "r+") as f:
             f.attrs[attr] = value
     (tmp_path / "report.json").write_text("{not json")
+    (tmp_path / "broken.onnx").write_bytes(b"\x0a\xff\xff not a protobuf message" * 8)
     os.chdir(ROOT)
     sys.path.insert(0, str(tmp_path))
     return tmp_path
@@ -116,6 +117,7 @@ BAD_INPUTS = [
     (["report", "{tmp}/report.json", "--html", "{tmp}/r.html"], "not a JSON report"),
     (["arch", "torch.nn:Linear"], "the factory raised TypeError"),
     (["arch", "torch.nn:Identity"], "no hook map matches model class Identity; write one and pass it with --hooks"),
+    (["diff", SAMPLE, "{tmp}/broken.onnx"], "{tmp}/broken.onnx cannot be read as an ONNX model"),
 ]
 
 

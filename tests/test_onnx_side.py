@@ -107,3 +107,14 @@ def test_inputs_of_another_shape_and_graphs_without_scopes_are_refused(exported)
         del node.metadata_props[:]
     with pytest.raises(PairingError, match="has no module scopes"):
         module_sites(proto, ["embed"])
+
+
+def test_an_onnx_candidate_without_onnxruntime_installed_is_a_clear_error(monkeypatch, tmp_path):
+    import sys
+
+    from blockdiff.errors import ModelSpecError
+    from blockdiff.onnxside import OnnxModel
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as where it is not installed
+    with pytest.raises(ModelSpecError, match=r"needs the onnx and onnxruntime packages .*pip install 'blockdiff\[onnx\]'"):
+        OnnxModel(tmp_path / "model.onnx")

@@ -251,3 +251,15 @@ def test_torchrun_runs_the_readme_command(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("No divergence") == 1  # rank 0 alone printed the report
+
+
+def test_a_launcher_environment_that_is_not_numbers_exits_2_in_one_line(monkeypatch, capsys):
+    from blockdiff.cli import main
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "two"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        main(["diff", "samples/tinylm.py:build", "samples/tinylm.py:build"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.strip().splitlines() == ["Error: cannot join the launched run: WORLD_SIZE='two' is not a number"]
