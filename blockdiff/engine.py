@@ -370,10 +370,11 @@ def diff(
     ref = _live_side("reference", reference, reference_hooks, inputs, labels[0])
     cand = _live_side("candidate", candidate, candidate_hooks, inputs, labels[1])
     check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
-    if isinstance(cand, ShardedSide) and (save_dumps is not None or stream):
+    refused = next((side.not_streamed for side in (ref, cand) if side.not_streamed), None)
+    if refused and (save_dumps is not None or stream):
         raise InputError(
-            "--stream and --save-dumps do not take a sharded candidate yet: the layouts its modules expect are kept "
-            "in memory only; diff in memory, or capture the reference alone (blockdiff capture) and replay against it"
+            f"--stream and --save-dumps do not take {refused}; "
+            "diff in memory, or capture the reference alone (blockdiff capture) and replay against it"
         )
     ranking = dict(rank=rank, baseline_dtype=baseline_dtype)
     localize = lambda free_run: _localize(  # noqa: E731

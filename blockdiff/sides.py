@@ -210,6 +210,8 @@ class LiveSide:
     """An ``nn.Module`` (eager or compiled) with its layout; :meth:`record` fills its store."""
 
     live = True
+    # Why the side cannot be recorded into a dump for a streamed diff, or None when it can.
+    not_streamed: str | None = None
 
     def __init__(self, name: str, model: nn.Module, layout: Layout, *, label: str | None = None) -> None:
         self.name = name
@@ -479,6 +481,8 @@ class ShardedSide(LiveSide):
     for an experiment gets the reference's activations in the layout that module was
     recorded with, and its output is made whole again: a ``DTensor`` gathered, a
     collective's result awaited, a column-parallel module's local shard all-gathered."""
+
+    not_streamed = "a sharded candidate yet: the layouts its modules expect are kept in memory only"
 
     def __init__(self, name: str, model: nn.Module, layout: Layout, *, label: str | None = None) -> None:
         super().__init__(name, model, layout, label=label)
