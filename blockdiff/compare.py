@@ -80,6 +80,13 @@ def metrics(reference: torch.Tensor, candidate: torch.Tensor, *, dtype: torch.dt
     >>> metrics(torch.ones(4), torch.ones(4)).rel_l2
     0.0
     """
+    found = _local_metrics(reference, candidate, dtype)
+    return ACROSS_RANKS[-1](found) if ACROSS_RANKS else found
+
+
+def _local_metrics(reference: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtype | None) -> Metrics:
+    """:func:`metrics` of this process's tensors alone (in a sharded run, not reduced
+    across the ranks)."""
     work = _work_dtype(reference, candidate)
     found = None
     rtol, atol = ALLCLOSE.get(dtype or candidate.dtype, ALLCLOSE[torch.float32])
@@ -90,13 +97,15 @@ def metrics(reference: torch.Tensor, candidate: torch.Tensor, *, dtype: torch.dt
         found = _metrics(reference, candidate, dtype, work)
     if found is None:  # a float32 sum of squares overflowed: values beyond ~1e19
         found = _metrics(reference, candidate, dtype, torch.float64)
-    return ACROSS_RANKS[-1](found) if ACROSS_RANKS else found
+    return found
 
 
 def rel_l2(reference: torch.Tensor, candidate: torch.Tensor) -> float:
     """``metrics(reference, candidate).rel_l2``, the same number, from the only two sums of
     squares it needs (‖r‖² and ‖c − r‖²): a noise floor is a relative L2 and nothing else,
-    and the other metrics cost twice as much again.
+    and the other metrics cost twice as much again. It is this process's own number, never
+    reduced across the ranks of a sharded run (a floor is each rank's; the fallback of
+    sums that overflow runs on one rank alone, so it must not wait for the others).
 
     >>> rel_l2(torch.ones(4), torch.ones(4))
     0.0
@@ -107,7 +116,7 @@ def rel_l2(reference: torch.Tensor, candidate: torch.Tensor) -> float:
     # ‖c‖² ≤ 2‖r‖² + 2‖c − r‖², and metrics() takes the same path to the same number.
     if ss_r < _FLOAT32_MAX / 8 and ss_d < _FLOAT32_MAX / 8:  # false for NaN too
         return _rel_l2(ss_r, ss_d)
-    return metrics(reference, candidate).rel_l2
+    return _local_metrics(reference, candidate, None).rel_l2
 
 
 def _work_dtype(reference: torch.Tensor, candidate: torch.Tensor) -> torch.dtype:

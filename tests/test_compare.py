@@ -106,3 +106,22 @@ def test_a_floors_relative_l2_is_the_metrics_relative_l2(numel):
     for a, b in pairs:
         expected, got = metrics(a, b).rel_l2, rel_l2(a, b)
         assert got == expected or (math.isnan(got) and math.isnan(expected)), (a.dtype, b.dtype, expected, got)
+
+
+def test_rel_l2_is_never_reduced_across_ranks_even_when_its_sums_overflow():
+    # In a sharded run metrics() goes through the stack's reducer (a collective); rel_l2 is
+    # a rank's own floor, and its fallback for float32 sums that overflow runs on one rank
+    # alone: were it reduced, that rank would wait for the others forever.
+    from blockdiff import compare
+
+    calls = []
+    compare.ACROSS_RANKS.append(lambda found: calls.append(found) or found)
+    try:
+        big = torch.full((8,), 3e19)
+        value = compare.rel_l2(big, big * 1.5)
+        assert calls == []
+        assert value == pytest.approx(0.5, rel=1e-6)
+        compare.metrics(big, big)
+        assert len(calls) == 1
+    finally:
+        compare.ACROSS_RANKS.pop()
