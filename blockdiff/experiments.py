@@ -20,7 +20,7 @@ the check's noise floor.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -31,8 +31,8 @@ from .errors import PairingError, ShapeMismatchError
 from .hookmap import BlockLayout
 from .pairing import BlockPair, in_order
 from .report import Check
-from .sides import Frozen, Side
-from .site import Opaque, Site, describe_key, map_structure, primary_tensor
+from .sides import Frozen, Side, received_dtype
+from .site import Opaque, Site, describe_key, map_opaque, map_structure, primary_tensor
 from .tolerance import Tolerance, working_dtype
 from .store import SiteStore
 from .vocab import BLOCK_TARGET, DRIFT
@@ -398,15 +398,15 @@ def _words(t: torch.Tensor) -> torch.Tensor | None:
     return t.reshape(-1).view(torch.uint8).view(torch.int64)
 
 
-def as_received(hidden: dict[str, torch.Tensor], own: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def as_received(hidden: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``hidden`` as a replay hands it to a call whose own activations are ``own``: each
-    floating tensor cast to ``dtype``, else to the dtype of the call's own tensor in that
-    role (see :meth:`~blockdiff.sides.LiveSide.call_module`). A float32 reference's
-    activations reach a bfloat16 candidate's module in bfloat16; where they are then the
-    same bits as the candidate's own, the experiment is the candidate's own call."""
+    floating tensor cast as :func:`~blockdiff.sides.received_dtype` says (see
+    :meth:`~blockdiff.sides.LiveSide.call_module`). A float32 reference's activations reach
+    a bfloat16 candidate's module in bfloat16; where they are then the same bits as the
+    candidate's own, the experiment is the candidate's own call."""
     found = {}
     for role, t in hidden.items():
-        to = dtype or (own[role].dtype if role in own else None)
+        to = received_dtype(role, own)
         found[role] = t.to(to) if to is not None and t.is_floating_point() and to.is_floating_point else t
     return found
 
@@ -421,8 +421,10 @@ def same_call(call: Site, own: Site, dtype: torch.dtype | None) -> bool:
     shape_b = map_structure((own.args, own.kwargs), lambda t: theirs.append(t) or _TENSOR)
     if shape_a != shape_b:
         return False
-    objects_a = [o for o in _opaques(shape_a) if not o.cache]
-    objects_b = [o for o in _opaques(shape_b) if not o.cache]
+    objects_a: list[Opaque] = []
+    objects_b: list[Opaque] = []
+    map_opaque(shape_a, lambda o: o.cache or objects_a.append(o))
+    map_opaque(shape_b, lambda o: o.cache or objects_b.append(o))
     if any(a.value is None or a.value is not b.value for a, b in zip(objects_a, objects_b)):
         return False
     for a, b in zip(mine, theirs):  # one tensor at a time: most calls differ in the first
@@ -434,17 +436,6 @@ def same_call(call: Site, own: Site, dtype: torch.dtype | None) -> bool:
 
 
 _TENSOR = object()  # where a tensor sits in a call's structure (same_call)
-
-
-def _opaques(obj: Any) -> Iterator[Opaque]:
-    if isinstance(obj, Opaque):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from _opaques(v)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _opaques(v)
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

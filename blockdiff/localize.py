@@ -28,7 +28,7 @@ from .compare import Metrics, metrics
 from .site import NotReplayable, Site, SiteKey, describe_key
 from .store import MemoryStore, release_freed_memory
 from .tolerance import Tolerance
-from .vocab import EXPERTS, NOT_JUDGED, OFFLINE_DRIFT
+from .vocab import EXPERTS, NOT_JUDGED, OFFLINE_DRIFT, reported_subpath
 
 T = TypeVar("T")
 
@@ -258,7 +258,7 @@ class Localizer:
         cand = {**pair.cand, **pair.cand_routers}
         subpaths: dict[str, SubpathResult] = {}
         for key, r in in_order({**pair.ref, **pair.ref_routers}):
-            name = "ffn" if r.subpath == "router" else r.subpath
+            name = reported_subpath(r.subpath)
             result = subpaths.setdefault(name, SubpathResult("drift_only", order=r.order))
             found = exp.drift_check(r, cand[key], exp.drift(r, cand[key]), target=name, what=OFFLINE_DRIFT)
             if found is not None:

@@ -60,7 +60,7 @@ from .site import (
 from .store import MemoryStore, SiteStore
 from .report import BlockResult, Check, StageResult, SubpathResult
 from .tolerance import Threshold
-from .vocab import REPLICAS
+from .vocab import REPLICAS, reported_subpath
 
 if TYPE_CHECKING:  # the localizer drives sides: imported for annotations only
     from .localize import Localizer
@@ -206,6 +206,13 @@ def _distributions() -> dict[str, list[str]]:
         return {}
 
 
+def received_dtype(role: str, own: dict[str, torch.Tensor], cast: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype a replayed call's activation in ``role`` is handed over in: ``cast`` (a
+    side running at another precision), else the dtype of the call's own tensor in that
+    role (``own``), else unchanged (``None``)."""
+    return cast or (own[role].dtype if role in own else None)
+
+
 class LiveSide:
     """An ``nn.Module`` (eager or compiled) with its layout; :meth:`record` fills its store."""
 
@@ -281,7 +288,7 @@ class LiveSide:
         if hidden:
             own = call.hidden_inputs()
             hidden = {
-                role: replayed_copy(t, device, self.cast or (own[role].dtype if role in own else None), layout=own.get(role))
+                role: replayed_copy(t, device, received_dtype(role, own, self.cast), layout=own.get(role))
                 for role, t in hidden.items()
             }
             # Replaced before the rest is copied: each tensor of the call is copied (and cast) once.
@@ -525,7 +532,7 @@ class ShardedSide(LiveSide):
                 stage.local = check
         else:
             block = next(b for b in blocks if site.module == b.module or site.module.startswith(b.module + "."))
-            result = block.subpaths.setdefault({None: "residual", "router": "ffn"}.get(site.subpath, site.subpath), SubpathResult("checked", order=at))
+            result = block.subpaths.setdefault(reported_subpath(site.subpath), SubpathResult("checked", order=at))
             result.checks.insert(0, check)
             result.status = "checked"
         localizer.notes.insert(

@@ -54,3 +54,11 @@ REPLICAS = "replicas"
 DRIFT = "drift"
 # The part of an MoE ffn a check judges (``Check.part``), by its kind.
 PART_OF = {ROUTER_LOGITS: "router", ROUTER_WEIGHTS: "router", ROUTING_FLIPS: "router", ROUTING_DIFFERS: "router", EXPERTS: "experts"}
+
+
+def reported_subpath(subpath: str | None) -> str:
+    """The sub-path a block's site is reported under: its own, a router's under ``ffn``,
+    the block's own call (``None``) under ``residual``."""
+    if subpath is None:
+        return "residual"
+    return "ffn" if subpath == "router" else subpath
