@@ -31,14 +31,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
 import h5py
 import numpy as np
 
-from ._version import __version__
 from .dump.format import (
     FORMAT,
     LIBVER,
@@ -49,9 +47,11 @@ from .dump.format import (
     _encode_meta,
     _Object,
     _set_attr,
+    file_attributes,
     finish_file,
     read_index,
     read_packed,
+    site_record,
     write_array,
 )
 from .errors import DumpError
@@ -345,10 +345,7 @@ class ForeignDumpWriter:
         path = f"sites/{name}"
         group = f["sites"].create_group(name)
         try:
-            attrs = {
-                key: _set_attr(group, key, getattr(site, key))
-                for key in ("stage", "block", "subpath", "module", "call", "ordinal", "order")
-            }
+            attrs = {key: _set_attr(group, key, value) for key, value in site_record(site).items()}
             structure = _Structure(group, path, self._objects)
             nodes = {"args": structure.node(tuple(args)), "kwargs": {"type": "dict", "items": []}}
             arguments = len(structure.shapes)
@@ -401,13 +398,7 @@ class ForeignDumpWriter:
                     "(the comparison pairs every site; write each, see reference_sites())",
                     path=str(self.path),
                 )
-            root = {
-                "format": FORMAT,
-                "schema_version": WRITES_SCHEMA,
-                "blockdiff_version": str(__version__),
-                "torch_version": "",  # no torch wrote this file; `runtime` says what did
-                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            }
+            root = file_attributes(WRITES_SCHEMA, torch_version="")  # no torch wrote it; `runtime` says what did
             json_keys = []
             for key, value in {**self.meta, "dtype": self.dtype or "float32"}.items():
                 root[key], is_json = _encode_meta(key, value)

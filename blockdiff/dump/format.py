@@ -19,6 +19,7 @@ import json
 import os
 import zlib
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +334,39 @@ def _objects(f: h5py.File) -> dict[str, _Object]:
 def _metadata_digest(f: h5py.File) -> str:
     """The metadata digest of an open file, read from the file."""
     return _digest(_attributes(f), _objects(f))
+
+
+# ---------------------------------------------------------------------------------------
+# what both writers record
+
+
+def site_record(site: Any) -> dict[str, Any]:
+    """A site's place in the run as a dump records it (an index entry, or a site group's
+    attributes): ``block`` ``-1`` outside the blocks, ``subpath`` ``""`` for a block's own
+    call and outside sites; ``order``, the start order of the call (a block starts before
+    its modules)."""
+    return {
+        "stage": str(site.stage),
+        "block": -1 if site.block is None else int(site.block),
+        "subpath": site.subpath or "",
+        "module": str(site.module),
+        "call": int(site.call),
+        "ordinal": int(site.ordinal),
+        "order": int(site.order),
+    }
+
+
+def file_attributes(schema: int, torch_version: str) -> dict[str, Any]:
+    """The file attributes a writer owns, but the meta digest and ``complete``."""
+    from .._version import __version__
+
+    return {
+        "format": FORMAT,
+        "schema_version": schema,
+        "blockdiff_version": str(__version__),
+        "torch_version": torch_version,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 # ---------------------------------------------------------------------------------------

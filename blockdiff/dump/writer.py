@@ -17,7 +17,6 @@ import threading
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,7 +31,6 @@ from ..site import Opaque, Site
 from .format import (
     _NUMPY_NATIVE,
     _RAW_BITS,
-    FORMAT,
     LIBVER,
     PACKED_CHUNK_BYTES,
     SCHEMA_VERSION,
@@ -41,27 +39,14 @@ from .format import (
     _Object,
     _set_attr,
     _crc32c,
+    file_attributes,
     finish_file,
+    site_record,
     stored_name,
 )
 
 _COMPRESSIONS = (None, "lzf", "gzip")
 _BIG_ENDIAN = sys.byteorder == "big"  # a dump's bytes are little-endian
-
-
-def _blockdiff_version() -> str:
-    try:
-        from .._version import __version__
-
-        return str(__version__)
-    except ImportError:
-        pass
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-
-        return version("blockdiff")
-    except (ImportError, PackageNotFoundError):
-        return "unknown"
 
 
 # ---------------------------------------------------------------------------------------
@@ -431,13 +416,7 @@ class DumpWriter:
             self._failed = DumpError(f"{self.path}: cannot create the dump: {problem}", path=str(self.path))
             return
         try:
-            for key, value in (
-                ("format", FORMAT),
-                ("schema_version", SCHEMA_VERSION),
-                ("blockdiff_version", _blockdiff_version()),
-                ("torch_version", str(torch.__version__)),
-                ("created", datetime.now(timezone.utc).isoformat(timespec="seconds")),
-            ):
+            for key, value in file_attributes(SCHEMA_VERSION, str(torch.__version__)).items():
                 self._root[key] = _set_attr(self._file, key, value)
             # Encoded by the caller: it may change ``meta`` while this thread works.
             self._write_meta(encoded_meta)
@@ -472,20 +451,8 @@ class DumpWriter:
                 path=str(self.path),
                 site=site.label,
             ) from exc
-        self._sites.append(
-            {
-                "stage": str(site.stage),
-                "block": -1 if site.block is None else int(site.block),
-                "subpath": "" if site.subpath is None else str(site.subpath),
-                "module": str(site.module),
-                "call": int(site.call),
-                "ordinal": int(site.ordinal),
-                # Start order of the call (a block starts before its modules); the index
-                # lists sites in the order they were added (calls finishing, when streamed).
-                "order": int(site.order),
-                "structure": structure,
-            }
-        )
+        # The index lists sites in the order they were added (calls finishing, when streamed).
+        self._sites.append({**site_record(site), "structure": structure})
         self._commit(enc)
 
     def add_inputs(self, obj: Any) -> None:
