@@ -70,12 +70,10 @@ class Localizer:
         self.moe: list[dict[str, Any]] = []  # routing statistics, one entry per MoE block
         self.nonfinite = NonfiniteScan()
         self.notes: list[str] = []  # what could not be judged, and why
-        # Which blocks (by index) and stages (by module, block None) this process judges:
-        # a pipeline stage's, the ones its rank holds; None: all of them.
-        self.judged_here: Callable[[int | None, str], bool] | None = None
 
     def _here(self, block: int | None, module: str = "") -> bool:
-        return self.judged_here is None or self.judged_here(block, module)
+        """Whether this process judges the block or stage (``Side.holds``)."""
+        return self.cand.holds(block, module)
 
     def _judged(self, where: str, experiment: Callable[[], T]) -> T | None:
         """``experiment()``, or ``None`` (and a note) when a call it replays holds an

@@ -416,6 +416,9 @@ class OnnxSide:
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> None:
         return None
 
+    def holds(self, block: int | None, module: str) -> bool:
+        return True
+
     def localized(self, localizer: Any, judge: Callable[[], Any]) -> Any:
         return judge()
 

@@ -117,6 +117,11 @@ class Side(Protocol):
         """This side's code run in ``dtype`` on ``device`` (noise floors); ``None`` when it
         cannot run."""
 
+    def holds(self, block: int | None, module: str) -> bool:
+        """Whether this process judges block ``block``, or (``block`` None) the stage module
+        ``module``, with this side as the candidate: a pipeline stage only the ones its rank
+        holds; every other side all of them."""
+
     def localized(self, localizer: "Localizer", judge: Callable[[], Judged]) -> Judged:
         """The stage and block results of a localization with this side as the candidate:
         ``judge()`` (the localizer's run), completed as this kind of side needs — what
@@ -276,6 +281,9 @@ class LiveSide:
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
         return PrecisionSide(self, dtype, device)
+
+    def holds(self, block: int | None, module: str) -> bool:
+        return True
 
     def localized(self, localizer: "Localizer", judge: Callable[[], Judged]) -> Judged:
         return judge()
@@ -599,7 +607,6 @@ class PipelineSide(LiveSide):
         """Each rank judges the blocks and stages it holds, apart from the others (their
         experiments differ); then every rank gets what every rank judged — results, routing
         statistics, notes, non-finite values — and the hand-overs between stages are checked."""
-        localizer.judged_here = self.holds
         with distributed.apart():
             stages, blocks = judge()
         found = distributed.every_rank((stages, blocks, localizer.moe, localizer.notes, localizer.nonfinite.found))
@@ -718,6 +725,9 @@ class DumpSide:
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> None:
         return None
+
+    def holds(self, block: int | None, module: str) -> bool:
+        return True
 
     def localized(self, localizer: "Localizer", judge: Callable[[], Judged]) -> Judged:
         return judge()
