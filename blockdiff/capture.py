@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Literal, TypeVar
 import torch
 from torch import nn
 
-from .distributed import declared_whole, in_lockstep, is_distributed, local_output_dim
+from .distributed import declared_whole, in_lockstep, is_distributed, made_whole
 from .hookmap import Layout
 from .inputs import run_model
 from .errors import TensorChanged
@@ -270,12 +270,9 @@ def capture(
         if site is None:
             return
         site.output = snapshot(output)
-        if in_lockstep():  # a local shard: recorded whole
-            primary = primary_tensor(site.output)
-            dim = layout.options(site.module).shard_output
-            dim = local_output_dim(module, primary) if dim is None and primary is not None else dim
-            if dim is not None and primary is not None:
-                site.output = replace_primary(site.output, declared_whole(primary, dim))
+        primary = primary_tensor(site.output) if in_lockstep() else None
+        if primary is not None:  # a local shard: recorded whole
+            site.output = replace_primary(site.output, made_whole(primary, module, layout.options(site.module).shard_output))
         snapshot.add(store, site, written=not isinstance(store, MemoryStore))
         if progress is not None and site.stage == "block" and site.subpath is None:
             blocks_done[0] += 1

@@ -273,11 +273,12 @@ def in_layout(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
 def made_whole(t: torch.Tensor, module: torch.nn.Module, declared: int | None) -> torch.Tensor:
     """An output of a sharded module made whole: a ``DTensor`` or collective result as
     :func:`whole`; a plain local shard gathered along the dimension its hook map declares,
-    or that its parallelization shows (:func:`local_output_dim`)."""
+    or that its parallelization shows (:func:`local_output_dim`), remembering that layout
+    (:func:`declared_whole`: what a record hands back to the module in a replay)."""
     if is_distributed(t):
         return whole(t)
     dim = local_output_dim(module, t) if declared is None else declared
-    return t if dim is None else gathered(t, dim)
+    return t if dim is None else declared_whole(t, dim)
 
 
 def local_output_dim(module: torch.nn.Module, t: torch.Tensor) -> int | None:
