@@ -268,6 +268,8 @@ class OnnxSide:
         self.model = model
         self.layout = layout
         self.store: SiteStore | None = None
+        # The graph's own outputs in the recorded run (every site an extra output).
+        self.graph_outputs: list[np.ndarray] | None = None
         modules = [path for _, path in layout.outside]
         for block in layout.blocks:
             modules.append(block.path)
@@ -331,9 +333,12 @@ class OnnxSide:
         """One ORT run of the whole graph with every site's values as extra outputs; each
         site goes into ``store`` in the reference layout's anatomy."""
         self.store = store
-        wanted = self.recorded_values()
+        own = list(self.model.output_names)
+        wanted = [*own, *(v for v in self.recorded_values() if v not in own)]
         feeds = self.feeds(inputs)
-        values = dict(zip(wanted, self.model.run(feeds, wanted)))
+        results = self.model.run(feeds, wanted)
+        self.graph_outputs = results[: len(own)]
+        values = dict(zip(wanted, results))
         values.update(feeds)
         recorded = self._sites(values)
         for done, site in enumerate(recorded, 1):
@@ -431,11 +436,14 @@ def _runtime(model: OnnxModel) -> str:
 
 def capture_changes_outputs(model: OnnxModel, side: OnnxSide, inputs: Any) -> float:
     """How far the graph's own outputs move when every site is also an output: the largest
-    absolute difference (``0.0``: recording did not change what ORT computes)."""
-    feeds = side.feeds(inputs)
-    plain = model.run(feeds, model.output_names)
-    extra = [v for v in side.recorded_values() if v not in model.output_names]
-    captured = model.run(feeds, [*model.output_names, *extra])[: len(plain)]
+    absolute difference (``0.0``: recording did not change what ORT computes), between a
+    plain run and the side's recorded run (made here if the side has not recorded yet)."""
+    from .store import MemoryStore
+
+    if side.graph_outputs is None:
+        side.record(inputs, MemoryStore())
+    plain = model.run(side.feeds(inputs), model.output_names)
+    captured = side.graph_outputs
     return max(float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) for a, b in zip(plain, captured))
 
 
@@ -462,7 +470,6 @@ def diff_onnx(
     if labels[1]:
         cand.meta["model"] = labels[1]
     check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
-    moved = engine._run("candidate", capture_changes_outputs, candidate, cand, inputs)
     with engine.eval_mode(reference):
         report = engine._in_memory(
             [ref, cand],  # type: ignore[list-item]
@@ -471,6 +478,7 @@ def diff_onnx(
                 ref, cand, inputs, tolerance, fast_path=fast_path, capacity_factors=(), free_run=free_run
             ),
         )
+    moved = engine._run("candidate", capture_changes_outputs, candidate, cand, inputs)  # against the recorded run
     report.notes.append(
         "ONNX Runtime candidate: sites found by the exporter's module scopes, experiments run as sub-graphs; "
         + ("recording every site as a graph output left the graph's outputs unchanged (bit for bit)" if moved == 0.0
