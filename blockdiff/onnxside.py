@@ -34,8 +34,9 @@ from torch import nn
 
 from .errors import InputError, ModelSpecError, PairingError
 from .hookmap import Layout
+from .sides import SideDefaults
 from .site import Site
-from .store import SiteStore
+from .store import MemoryStore, SiteStore
 
 SCOPES = "pkg.torch.onnx.name_scopes"
 ONNX_SUFFIX = ".onnx"
@@ -257,7 +258,7 @@ def _to_numpy(t: torch.Tensor, like: np.dtype | None = None) -> np.ndarray:
     return arr.contiguous().numpy()
 
 
-class OnnxSide:
+class OnnxSide(SideDefaults):
     """An ONNX Runtime candidate under the reference's layout (the graph was exported from
     the same module tree, so the reference's module paths are its scopes)."""
 
@@ -415,17 +416,6 @@ class OnnxSide:
         """No drill-down below a sub-path: graph nodes are not modules' children calls."""
         return []
 
-    def attribute(self, path: str) -> Any:
-        return None
-
-    def in_precision(self, dtype: torch.dtype, device: torch.device) -> None:
-        return None
-
-    def holds(self, block: int | None, module: str) -> bool:
-        return True
-
-    def localized(self, localizer: Any, judge: Callable[[], Any]) -> Any:
-        return judge()
 
 
 def _runtime(model: OnnxModel) -> str:
@@ -438,8 +428,6 @@ def capture_changes_outputs(model: OnnxModel, side: OnnxSide, inputs: Any) -> fl
     """How far the graph's own outputs move when every site is also an output: the largest
     absolute difference (``0.0``: recording did not change what ORT computes), between a
     plain run and the side's recorded run (made here if the side has not recorded yet)."""
-    from .store import MemoryStore
-
     if side.graph_outputs is None:
         side.record(inputs, MemoryStore())
     plain = model.run(side.feeds(inputs), model.output_names)

@@ -211,6 +211,23 @@ def _distributions() -> dict[str, list[str]]:
         return {}
 
 
+class SideDefaults:
+    """The protocol's members most sides answer alike: no model attributes, no other
+    precision, every block judged here, a localization as the localizer runs it."""
+
+    def attribute(self, path: str) -> Any:
+        return None
+
+    def in_precision(self, dtype: torch.dtype, device: torch.device) -> "Side | None":
+        return None
+
+    def holds(self, block: int | None, module: str) -> bool:
+        return True
+
+    def localized(self, localizer: "Localizer", judge: Callable[[], Judged]) -> Judged:
+        return judge()
+
+
 def received_dtype(role: str, own: dict[str, torch.Tensor], cast: torch.dtype | None = None) -> torch.dtype | None:
     """The dtype a replayed call's activation in ``role`` is handed over in: ``cast`` (a
     side running at another precision), else the dtype of the call's own tensor in that
@@ -218,7 +235,7 @@ def received_dtype(role: str, own: dict[str, torch.Tensor], cast: torch.dtype | 
     return cast or (own[role].dtype if role in own else None)
 
 
-class LiveSide:
+class LiveSide(SideDefaults):
     """An ``nn.Module`` (eager or compiled) with its layout; :meth:`record` fills its store."""
 
     live = True
@@ -282,11 +299,6 @@ class LiveSide:
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
         return PrecisionSide(self, dtype, device)
 
-    def holds(self, block: int | None, module: str) -> bool:
-        return True
-
-    def localized(self, localizer: "Localizer", judge: Callable[[], Judged]) -> Judged:
-        return judge()
 
     def _replay(self, call: Site, hidden: Hidden | None) -> tuple[tuple, dict]:
         """``call``'s arguments on this side's device (floating ones cast to :attr:`cast`),
@@ -674,7 +686,7 @@ def merged_layout(layouts: list[Layout]) -> Layout:
     return Layout(hook_map=first.hook_map, outside=outside, blocks=[blocks[i] for i in sorted(blocks)], modules=modules)
 
 
-class DumpSide:
+class DumpSide(SideDefaults):
     """A dump written by ``blockdiff capture`` (or ``--save-dumps``): the sites one run
     recorded, with the layout, device and dtype it ran with. It runs nothing."""
 
@@ -720,17 +732,6 @@ class DumpSide:
     def record(self, inputs: Any, store: SiteStore, *, hold: str | None, progress: Any = None) -> Any:
         raise self._cannot("run the model")
 
-    def attribute(self, path: str) -> Any:
-        return None
-
-    def in_precision(self, dtype: torch.dtype, device: torch.device) -> None:
-        return None
-
-    def holds(self, block: int | None, module: str) -> bool:
-        return True
-
-    def localized(self, localizer: "Localizer", judge: Callable[[], Judged]) -> Judged:
-        return judge()
 
 
 def cast_copy(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
