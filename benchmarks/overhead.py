@@ -19,7 +19,7 @@ with CRC-32C checksums against the same dump written with ``checksums=False``.
     python benchmarks/overhead.py            # about three minutes on 2 cores
     python benchmarks/overhead.py --quick    # smaller model, for a smoke run
     python benchmarks/overhead.py --device cuda   # capture overhead of a CUDA model (figures 1, 2)
-    python benchmarks/overhead.py --only 5        # one figure (2: streamed capture, 5: the mixed-precision diff)
+    python benchmarks/overhead.py --only 5        # one figure (2: streamed capture, 3: dump writes, 5: the mixed-precision diff)
 """
 
 from __future__ import annotations
@@ -228,6 +228,33 @@ def throughput(arrays: list[np.ndarray], folder: Path) -> dict[str, float]:
     return out
 
 
+def dump_arrays(model, ids) -> list[np.ndarray]:
+    """Figure 3's bytes: every floating-point tensor a capture of ``model`` records, once."""
+    store = MemoryStore()
+    record(model, resolve(model), store, ids)
+    arrays, seen = [], set()
+    for site in store.sites():
+        for t in iter_tensors((site.args, site.kwargs, site.output)):
+            if id(t) not in seen and t.is_floating_point():
+                seen.add(id(t))
+                arrays.append(t.numpy())
+    return arrays
+
+
+def write_lines(rates: dict[str, float], arrays: list[np.ndarray]) -> str:
+    return "\n".join((
+        f"3. HDF5 write / numpy.tofile (same bytes) {rates['blockdiff dump'] / rates['tofile']:8.3f}   (goal >= 0.85)"
+        f"   [{rates['tofile'] / 1e9:.2f} vs {rates['blockdiff dump'] / 1e9:.2f} GB/s, {sum(a.nbytes for a in arrays) / 1e6:.0f} MB]",
+        f"   durable dump (--fsync) / (tofile + fsync + rename) {rates['blockdiff dump, durable'] / rates['tofile + fsync']:8.3f}"
+        f"   [{rates['tofile + fsync'] / 1e9:.2f} vs {rates['blockdiff dump, durable'] / 1e9:.2f} GB/s]; "
+        f"plain h5py / tofile {rates['h5py plain'] / rates['tofile']:.3f}",
+        f"   the write path: h5py write_direct_chunk of the same bytes alone / tofile "
+        f"{rates['h5py direct chunks'] / rates['tofile']:.3f}; os.write of each array / tofile {rates['os.write'] / rates['tofile']:.3f}",
+        f"   dump throughput, checksums on / off (goal >= 0.85): write {rates['checksums write on/off']:.3f}, "
+        f"read verified / unverified {rates['checksums read on/off']:.3f} (median of 15 interleaved pairs)",
+    ))
+
+
 RSS_CHILD = r"""
 import json, resource, sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -280,7 +307,7 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, for a smoke run")
     parser.add_argument("--device", default="cpu", help="overhead.py: measure capture on this device (cuda)")
-    parser.add_argument("--only", type=int, choices=(2, 5), help="overhead.py: measure this figure alone")
+    parser.add_argument("--only", type=int, choices=(2, 3, 5), help="overhead.py: measure this figure alone")
     args = parser.parse_args()
     DEVICE[0] = torch.device(args.device)
     ONLY[0] = args.only
@@ -360,21 +387,17 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             print(streamed_line(streamed_capture(model, ids, Path(tmp), repeat)))
         return
-    if ONLY[0] is not None:
-        sys.exit(f"--only {ONLY[0]}: only figures 2 and 5 run alone so far")
+    if ONLY[0] == 3:
+        arrays = dump_arrays(model, ids)
+        with tempfile.TemporaryDirectory() as tmp:
+            print(write_lines(throughput(arrays, Path(tmp)), arrays))
+        return
 
     plain = timed(lambda: forward(model, ids), repeat)
     in_memory = timed(lambda: record(model, layout, MemoryStore(), ids), repeat)
     with tempfile.TemporaryDirectory() as tmp:
         streamed = streamed_capture(model, ids, Path(tmp), repeat)
-        store = MemoryStore()
-        record(model, layout, store, ids)
-        arrays, seen = [], set()
-        for site in store.sites():
-            for t in iter_tensors((site.args, site.kwargs, site.output)):
-                if id(t) not in seen and t.is_floating_point():
-                    seen.add(id(t))
-                    arrays.append(t.numpy())
+        arrays = dump_arrays(model, ids)
         rates = throughput(arrays, Path(tmp))
     reference, candidate = build(8, **sizes), build(8, **sizes)
     two_forwards = timed(lambda: (forward(reference, ids), forward(candidate, ids)), repeat)
@@ -397,19 +420,11 @@ def main() -> None:
     print(f"plain forward                             {plain * 1e3:8.1f} ms")
     print(f"1. capture to memory / forward            {in_memory / plain:8.3f}   (goal <= 1.08)")
     print(streamed_line(streamed))
-    print(f"3. HDF5 write / numpy.tofile (same bytes) {rates['blockdiff dump'] / rates['tofile']:8.3f}   (goal >= 0.85)"
-          f"   [{rates['tofile'] / 1e9:.2f} vs {rates['blockdiff dump'] / 1e9:.2f} GB/s, {sum(a.nbytes for a in arrays) / 1e6:.0f} MB]")
-    print(f"   durable dump (--fsync) / (tofile + fsync + rename) {rates['blockdiff dump, durable'] / rates['tofile + fsync']:8.3f}"
-          f"   [{rates['tofile + fsync'] / 1e9:.2f} vs {rates['blockdiff dump, durable'] / 1e9:.2f} GB/s]; "
-          f"plain h5py / tofile {rates['h5py plain'] / rates['tofile']:.3f}")
-    print(f"   bounds of the write path: h5py write_direct_chunk of the same bytes alone / tofile "
-          f"{rates['h5py direct chunks'] / rates['tofile']:.3f}; os.write of each array / tofile {rates['os.write'] / rates['tofile']:.3f}")
+    print(write_lines(rates, arrays))
     print(f"4. diff / (ref + cand forward), fp32      {full / two_forwards:8.3f}   (goal <= 2.5)   --fast: {fast / two_forwards:.3f}")
     print(f"   the same, candidate weights x (1 + 1e-6 noise): {everywhere / two_differing:.3f}   "
           f"--fast: {everywhere_fast / two_differing:.3f}   (every experiment runs)")
     print(mixed_line(mixed))
-    print(f"   dump throughput, checksums on / off (goal >= 0.85): write {rates['checksums write on/off']:.3f}, "
-          f"read verified / unverified {rates['checksums read on/off']:.3f} (median of 15 interleaved pairs)")
 
     small, large = (2, 4) if quick else (8, 16)
     a, b = peak_rss(small, sizes, seq, "capture"), peak_rss(large, sizes, seq, "capture")

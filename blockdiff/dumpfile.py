@@ -170,7 +170,7 @@ def reference_inputs(path: str | os.PathLike) -> Any:
             def load(ref: int) -> np.ndarray:
                 entry = index["tensors"][ref]
                 dset = f["tensors"][entry["data"]]
-                return read_packed(dset, entry, dset.dtype).reshape(entry["shape"])
+                return read_packed(dset, entry, dset.dtype)[0].reshape(entry["shape"])
 
             return _decode(index["inputs"], load)
         if "inputs" not in f:

@@ -1,8 +1,11 @@
 """The write side of a dump: :class:`DumpWriter` streams captured sites into an HDF5 file.
 
 Capture hands each site to :meth:`DumpWriter.add`, which encodes its structure and hands
-its tensors to the writer's thread without waiting for libhdf5. The thread appends each
-tensor's bytes to one dataset per stored dtype in whole chunks (:class:`_Packed`); the
+its tensors to the writer's thread, about 8 MiB at a time, without waiting for libhdf5.
+For each such batch the thread has libhdf5 allocate one contiguous dataset per stored
+dtype and writes the tensors' bytes into it with its own ``pwritev`` (libhdf5 keeps
+the file's structure, the writer the bytes: :class:`_Contiguous`); compressed dumps
+append to one chunked dataset per dtype through libhdf5 instead (:class:`_Packed`). The
 JSON index of sites and tensors, the metadata digest and ``complete`` are written at
 close, and the file is renamed to its final path only after a clean close (schema 4,
 ``docs/dump-format.md``).
@@ -10,10 +13,12 @@ close, and the file is renamed to its final path only after a clean close (schem
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -87,7 +92,6 @@ class _Encoder:
         self.refs: dict[int, int] = {}
         self._alive: list[torch.Tensor] = []
         self.pending: list[_Pending] = []
-        self.reserved: dict[str, int] = {}  # elements taken per packed dataset, not yet committed
         self.shared: dict[int, tuple] = {}  # new entries for the writer's table of written tensors
 
     def node(self, obj: Any) -> Any:
@@ -155,10 +159,8 @@ class _Encoder:
         flat = arr.reshape(-1)
         if _BIG_ENDIAN:
             flat = np.ascontiguousarray(flat, dtype=flat.dtype.newbyteorder("<"))
-        data = stored_name(flat.dtype)
-        offset = self.writer._reserved.get(data, 0) + self.reserved.get(data, 0)
-        self.reserved[data] = self.reserved.get(data, 0) + flat.size
-        entry = {"data": data, "offset": offset, "count": int(flat.size), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+        # Its dataset and offset are given when the tensor is handed to the writer's thread.
+        entry = {"data": None, "offset": None, "count": int(flat.size), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         ref = len(self.writer._tensors) + len(self.pending)
         # A tensor the model still owns may be written to in place before the thread has
         # copied it: its version counter, checked after the copy, says so.
@@ -171,8 +173,9 @@ class _Encoder:
 
 
 class _Packed:
-    """One stored dtype's dataset, ``tensors/<dtype>``: elements appended in order, written
-    in whole chunks as they fill (a staging buffer collects what does not fill one)."""
+    """A compressed dump's dataset of one stored dtype, ``tensors/<dtype>``: elements
+    appended in order through libhdf5's filters, in whole 1 MiB chunks as they fill (a
+    staging buffer collects what does not fill one)."""
 
     def __init__(self, group: h5py.Group, name: str, dtype: np.dtype, compression: dict[str, Any], checksums: bool) -> None:
         self.group = group
@@ -215,54 +218,113 @@ class _Packed:
             # Smaller than one chunk: one chunk of exactly its size.
             self.chunk = max(self.fill, 1)
             self._create()
-            if self.fill:
-                self._write(self.buffer[: self.fill], self.fill)
-        elif self.fill:
-            # The last, partial chunk: stored whole (its tail zeroed, past the extent).
-            self.buffer[self.fill :] = 0
-            self._write(self.buffer, self.fill)
+        if self.fill:
+            self._write(self.buffer[: self.fill], self.fill)
         self.dset.set_extent((length,))
         self.fill = 0
         return _Object("dataset", {}, self.dtype.str, (length,))
 
     def _create(self) -> None:
-        if self.compression:
-            # fletcher32 guards compressed chunks before they reach the decompressor.
-            dset = self.group.create_dataset(
-                self.name, shape=(0,), maxshape=(None,), chunks=(self.chunk,), dtype=self.dtype,
-                fletcher32=self.checksums, track_times=False, **self.compression,
-            )
-            self.dset = dset.id
-            return
-        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-        dcpl.set_chunk((self.chunk,))
-        dcpl.set_obj_track_times(False)
-        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every chunk is written whole, at once
-        space = h5py.h5s.create_simple((0,), (h5py.h5s.UNLIMITED,))
-        self.dset = h5py.h5d.create(self.group.id, self.name.encode(), h5py.h5t.py_create(self.dtype, logical=1), space, dcpl=dcpl)
+        # fletcher32 guards compressed chunks before they reach the decompressor.
+        dset = self.group.create_dataset(
+            self.name, shape=(0,), maxshape=(None,), chunks=(self.chunk,), dtype=self.dtype,
+            fletcher32=self.checksums, track_times=False, **self.compression,
+        )
+        self.dset = dset.id
 
     def _write(self, data: np.ndarray, valid: int) -> None:
-        """Chunk number ``self.chunks``: ``data`` (a whole chunk's elements), of which the
-        first ``valid`` are inside the dataset."""
+        """Chunk number ``self.chunks``: its first ``valid`` elements, ``data``."""
         if self.dset is None:
             self._create()
         start = self.chunks * self.chunk
-        if valid < self.chunk:
-            self.dset.set_extent((start + valid,))  # the last chunk: the exact length
-        elif start + valid > self.extent:
+        if start + valid > self.extent:
             # Grown 64 chunks at a time (a dataset's extent is metadata libhdf5 rewrites);
-            # the exact length is set by the last chunk, or in finish.
+            # the exact length is set in finish.
             self.extent = start + 64 * self.chunk
             self.dset.set_extent((self.extent,))
-        if self.compression:
-            space = self.dset.get_space()
-            space.select_hyperslab((start,), (valid,))
-            self.dset.write(h5py.h5s.create_simple((valid,)), space, np.ascontiguousarray(data[:valid]))
-        else:
-            # Handed to libhdf5 as it is: no selection, conversion or chunk cache.
-            self.dset.write_direct_chunk((start,), data)
+        space = self.dset.get_space()
+        space.select_hyperslab((start,), (valid,))
+        self.dset.write(h5py.h5s.create_simple((valid,)), space, np.ascontiguousarray(data[:valid]))
         if valid == self.chunk:
             self.chunks += 1
+
+
+class _Contiguous:
+    """An uncompressed dump's datasets, ``tensors/<dtype>.<n>``: one per stored dtype for
+    each batch handed to the writer's thread, as long as the batch's tensors of that dtype.
+
+    libhdf5 allocates each dataset's space at once (contiguous, never filled, starting on
+    a page) and keeps the file's structure; the writer writes the tensors' bytes there
+    itself (``pwritev`` on libhdf5's own file descriptor, after ``fallocate``), so that
+    what a dump costs is the bytes: chunks written through libhdf5 reached 0.71-0.80 of
+    ``numpy.tofile`` (``benchmarks/overhead.py``, figure 3). Where the platform has no
+    ``pwrite`` or libhdf5's file driver gives no descriptor, libhdf5 writes them."""
+
+    def __init__(self, file: h5py.File, group: h5py.Group) -> None:
+        self.group = group
+        self.dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        self.dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+        self.dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        self.dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every byte is written, once
+        self.dcpl.set_obj_track_times(False)
+        handle = file.id.get_vfd_handle() if hasattr(os, "pwrite") else None
+        self.fd: int | None = handle if isinstance(handle, int) else None
+
+    def write(self, name: str, dtype: np.dtype, arrays: list[np.ndarray]) -> _Object:
+        """A new dataset ``name`` holding ``arrays`` one after the other; returns what the
+        metadata digest records of it."""
+        count = sum(a.size for a in arrays)
+        space = h5py.h5s.create_simple((count,))
+        dset = h5py.h5d.create(self.group.id, name.encode(), h5py.h5t.py_create(dtype, logical=1), space, dcpl=self.dcpl)
+        offset = dset.get_offset() if count else None
+        if offset is not None and self.fd is not None:
+            views = [memoryview(a).cast("B") for a in arrays if a.size]
+            nbytes = sum(len(v) for v in views)
+            if _FALLOCATE is not None and nbytes >= _FALLOCATE_BYTES:
+                # The dataset's blocks, allocated at once (as numpy.tofile does for
+                # arrays of 16 MiB or more): writing into them skips the filesystem's
+                # delayed allocation page by page (ext4 here: figure 3 of
+                # benchmarks/overhead.py 0.70-0.71 against 0.60-0.64).
+                _FALLOCATE(self.fd, _FALLOC_FL_KEEP_SIZE, offset, nbytes)
+            _pwrite_all(self.fd, views, offset)
+        elif count:
+            start = 0
+            for a in arrays:
+                if a.size:
+                    space.select_hyperslab((start,), (a.size,))
+                    dset.write(h5py.h5s.create_simple((a.size,)), space, a)
+                    start += a.size
+        return _Object("dataset", {}, np.dtype(dtype).str, (count,))
+
+
+_IOV_MAX = 1024  # buffers per pwritev (POSIX guarantees at least 16; Linux and macOS: 1024)
+# Bytes per write call. From the writer's thread, 8 MiB calls ran at a tenth of the speed
+# of the same calls from the main thread in most runs on the test machine
+# (benchmarks/overhead.py, figure 2: 1.98 against 1.25); 1 MiB calls did not.
+_WRITE_BYTES = 1 << 20
+
+
+def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """Write ``views`` one after the other at ``offset``, at most ``_WRITE_BYTES`` per
+    call: ``pwritev``, or ``pwrite`` where there is none; short writes continued."""
+    pieces = [v[i : i + _WRITE_BYTES] for v in views for i in range(0, len(v), _WRITE_BYTES)]
+    i = 0
+    while i < len(pieces):
+        batch, size = [], 0
+        for piece in pieces[i : i + _IOV_MAX]:
+            if size + len(piece) > _WRITE_BYTES and batch:
+                break
+            batch.append(piece)
+            size += len(piece)
+        done = os.pwritev(fd, batch, offset) if hasattr(os, "pwritev") else os.pwrite(fd, batch[0], offset)
+        if done <= 0:
+            raise OSError(f"write returned {done}")
+        offset += done
+        while i < len(pieces) and done >= len(pieces[i]):
+            done -= len(pieces[i])
+            i += 1
+        if done:
+            pieces[i] = pieces[i][done:]
 
 
 # ---------------------------------------------------------------------------------------
@@ -273,28 +335,37 @@ class _Packed:
 _IN_FLIGHT_BYTES = 64 * 2**20
 # Tensors are handed over once this many bytes were added (or at close).
 _BATCH_BYTES = 8 * 2**20
+# ... the first time once this many were: the thread starts writing sooner.
+_FIRST_BATCH_BYTES = 1 * 2**20
 # A durable dump starts writing dirty pages back to disk every this many bytes, so the
 # fsync at close waits for the tail only (Linux; elsewhere the fsync does it all).
 _WRITEBACK_BYTES = 8 * 2**20
+# Datasets of this many bytes or more start at a multiple of this many bytes in the file.
+_ALIGN_ABOVE, _ALIGN = 64 * 2**10, 4096
 
 
-def _sync_file_range() -> Callable | None:
-    """Linux's ``sync_file_range`` (Python's ``os`` does not wrap it), or ``None``."""
+def _linux_call(name: str, *argtypes: Any) -> Callable | None:
+    """A Linux system call Python's ``os`` does not wrap (``sync_file_range``,
+    ``fallocate``), through libc, or ``None`` elsewhere. ctypes lets go of the GIL."""
     import ctypes
-    import sys
 
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE = _linux_call("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+# Failures are harmless (a filesystem without it): the write allocates the blocks itself.
+_FALLOCATE = _linux_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+_FALLOC_FL_KEEP_SIZE = 1  # the file's size is what is written
+# Not below this (a system call for nothing).
+_FALLOCATE_BYTES = 1 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # start writing dirty pages back; do not wait
 
 
@@ -362,7 +433,7 @@ class DumpWriter:
         self._tensors: list[dict[str, Any]] = []
         self._sites: list[dict[str, Any]] = []
         self._structures: dict[str, Any] = {}  # inputs, floors
-        self._reserved: dict[str, int] = {}  # elements given out per packed dataset
+        self._datasets: dict[str, int] = {}  # per stored dtype: datasets, or elements (compressed)
         # Tensors stored by earlier sites: id -> (weak reference, ref), see _Encoder.tensor.
         self._written: dict[int, tuple] = {}
         # What the metadata digest covers, recorded as it is written (not read back).
@@ -372,15 +443,21 @@ class DumpWriter:
         self._meta_written: list[tuple[str, Any, bool]] | None = None
         self._file: h5py.File | None = None
         self._created = False
-        self._packed: dict[str, _Packed] = {}
+        self._packed: dict[str, _Packed] = {}  # compressed
+        self._contiguous: _Contiguous | None = None  # uncompressed
         self._failed: BaseException | None = None  # the first failure on the writer's thread
         self._in_flight = 0
         self._room = threading.Condition()
-        self._queued: deque[_Pending] = deque()  # handed to the thread, not written yet
+        # Handed to the thread, checksum not taken yet: the thread takes them from the
+        # left when it has nothing to write, the caller from the right at close.
+        self._unsummed: deque[_Pending] = deque()
+        self._handed = self._started = 0  # batches handed to the thread (by the caller), started (by the thread)
+        self._summing_done = threading.Event()  # set when the caller's share is done, at close
+        self._index_bytes: bytes | None = None  # the index, when the caller could encode it
         self._batch: list[_Pending] = []  # added, not handed to the thread yet
         self._batch_bytes = 0
         self._unsynced = 0
-        self._fd: int | None = None
+        self._fd: int | None = None  # libhdf5's file descriptor, for a durable dump's writeback
         # Every libhdf5 call of this writer runs on one thread of its own: glibc gives that
         # thread its own heap, so libhdf5's long-lived small allocations do not pin the heap
         # between the model's freed activations (they did, and a streamed capture's resident
@@ -389,9 +466,13 @@ class DumpWriter:
         if problem is not None:
             raise DumpError(f"{self.path}: cannot create the dump: {problem}", path=str(self.path))
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="blockdiff-dump")
-        # The file is created on the writer's thread while the caller goes on; a failure
-        # there is raised by the next add or by close.
-        self._worker.submit(self._create, encoded_meta)
+        # The file is created on the writer's thread, the caller waiting (outside the GIL:
+        # with both running Python, the thread would wait for it, up to the interpreter's
+        # switch interval of 5 ms at a time).
+        self._worker.submit(self._create, encoded_meta).result()
+        if self._failed is not None:
+            self._stop_worker()
+            self._raise_failure()
 
     def _on_worker(self, fn: Callable, *args: Any) -> Any:
         """Run ``fn`` on the writer's thread after everything handed to it, and wait."""
@@ -403,13 +484,11 @@ class DumpWriter:
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.shutdown(wait=True)
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
     def _create(self, encoded_meta: list[tuple[str, Any, bool]]) -> None:
         try:
-            self._file = h5py.File(self.tmp_path, "w", libver=LIBVER)
+            # Tensor data starts on a page boundary (whole pages of the page cache).
+            self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, alignment_threshold=_ALIGN_ABOVE, alignment_interval=_ALIGN)
             self._created = True
         except Exception as exc:
             problem = _folder_problem(self.path.parent) or _one_line(exc)
@@ -422,8 +501,11 @@ class DumpWriter:
             self._write_meta(encoded_meta)
             self._group = self._file.create_group("tensors")
             self._objects["tensors"] = _Object("group", {})
+            if not self._compression:
+                self._contiguous = _Contiguous(self._file, self._group)
             if self.durable and _SYNC_FILE_RANGE is not None:
-                self._fd = os.open(self.tmp_path, os.O_RDONLY)
+                handle = self._file.id.get_vfd_handle()
+                self._fd = handle if isinstance(handle, int) else None
         except BaseException as exc:
             self._abort()
             self._failed = exc
@@ -481,8 +563,6 @@ class DumpWriter:
 
     def _commit(self, enc: _Encoder) -> None:
         """Take an encoded structure's tensors into the index and hand them to the thread."""
-        for data, count in enc.reserved.items():
-            self._reserved[data] = self._reserved.get(data, 0) + count
         self._tensors.extend(p.entry for p in enc.pending)
         written = self._written
         for key, (tensor, ref) in enc.shared.items():
@@ -495,7 +575,7 @@ class DumpWriter:
             return
         self._batch.extend(enc.pending)
         self._batch_bytes += sum(p.flat.nbytes for p in enc.pending)
-        if self._batch_bytes >= _BATCH_BYTES:
+        if self._batch_bytes >= (_BATCH_BYTES if self._handed else _FIRST_BATCH_BYTES):
             self._hand_over()
 
     def _hand_over(self) -> None:
@@ -505,20 +585,49 @@ class DumpWriter:
         if not pending:
             return
         self._batch, self._batch_bytes = [], 0
+        groups = self._place(pending)
         with self._room:
             while self._in_flight and self._in_flight + nbytes > _IN_FLIGHT_BYTES and self._failed is None:
                 self._room.wait()
             self._in_flight += nbytes
         self._check_open()
-        self._queued.extend(pending)
-        self._worker.submit(self._write_tensors, pending, nbytes)
+        if self.checksums:
+            self._unsummed.extend(pending)
+        self._handed += 1
+        self._worker.submit(self._write_tensors, groups, nbytes)
+        time.sleep(0)  # the GIL, to the thread now: it starts writing, then lets go of it
 
-    def _write_tensors(self, pending: list[_Pending], nbytes: int) -> None:
+    def _place(self, pending: list[_Pending]) -> list[tuple[str, list[_Pending]]]:
+        """Where each tensor of a batch goes (its index entry's ``data`` and ``offset``):
+        uncompressed, a new dataset per stored dtype (``float32.3``); compressed, the end
+        of its dtype's one dataset (``float32``). Returns the tensors by dataset."""
+        groups: dict[str, list[_Pending]] = {}
+        for p in pending:
+            groups.setdefault(stored_name(p.flat.dtype), []).append(p)
+        out = []
+        for base, items in groups.items():
+            if self.compress:
+                name, offset = base, self._datasets.get(base, 0)
+            else:
+                name, offset = f"{base}.{self._datasets.get(base, 0)}", 0
+            for p in items:
+                p.entry["data"], p.entry["offset"] = name, offset
+                offset += p.flat.size
+            self._datasets[base] = offset if self.compress else self._datasets.get(base, 0) + 1
+            out.append((name, items))
+        return out
+
+    def _write_tensors(self, groups: list[tuple[str, list[_Pending]]], nbytes: int) -> None:
+        self._started += 1
         try:
-            if self._failed is None:
-                for p in pending:
-                    self._write_tensor(p)
-                    self._queued.popleft()
+            for name, items in groups:
+                if self._failed is not None:
+                    break
+                self._write_dataset(name, items)
+            # Checksums while there is nothing to write (writing comes first: the file is
+            # the slower of the two).
+            while self._started == self._handed and self._failed is None and self._sum_one(self._unsummed.popleft):
+                pass
         except BaseException as exc:
             self._failed = self._failed or exc
         finally:
@@ -526,47 +635,71 @@ class DumpWriter:
                 self._in_flight -= nbytes
                 self._room.notify_all()
 
-    def _write_tensor(self, p: _Pending) -> None:
-        entry = p.entry
-        packed = self._packed.get(entry["data"])
-        if packed is None:
-            packed = self._packed[entry["data"]] = _Packed(self._group, entry["data"], p.flat.dtype, self._compression, self.checksums)
-        if packed.length != entry["offset"]:
-            raise DumpError(f"{self.path}: tensors/{entry['data']} out of order", path=str(self.path))
+    def _write_dataset(self, name: str, items: list[_Pending]) -> None:
+        """One dataset's tensors of a batch: written, then their version counters checked."""
         try:
-            packed.append(p.flat)
+            if self._contiguous is not None:
+                self._objects[f"tensors/{name}"] = self._contiguous.write(name, items[0].flat.dtype, [p.flat for p in items])
+            else:
+                packed = self._packed.get(name)
+                if packed is None:
+                    packed = self._packed[name] = _Packed(self._group, name, items[0].flat.dtype, self._compression, self.checksums)
+                for p in items:
+                    packed.append(p.flat)
         except Exception as exc:
+            site = items[0].site
             raise DumpError(
-                f"{self.path}: cannot write site {p.site}: {type(exc).__name__}: {_one_line(exc)}", path=str(self.path), site=p.site
+                f"{self.path}: cannot write site {site}: {type(exc).__name__}: {_one_line(exc)}", path=str(self.path), site=site
             ) from exc
-        if self.checksums and "crc32c" not in entry:
-            # Here, on the writer's thread, without the GIL (_crc32c), after the write:
-            # at close the caller takes the last tensors' while they are written.
-            entry["crc32c"] = _crc32c(p.flat)
-        if p.holder is not None and p.holder._version != p.version:
-            raise TensorChanged(f"{p.site}: a tensor it recorded was changed in place before it was written")
-        self._unsynced += p.flat.nbytes
+        for p in items:
+            _check_unchanged(p)
+        self._unsynced += sum(p.flat.nbytes for p in items)
         if self._fd is not None and self._unsynced >= _WRITEBACK_BYTES:
             # Dirty pages start going to disk now, while the writer goes on.
             self._unsynced = 0
             _SYNC_FILE_RANGE(self._fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
+    def _sum_one(self, pop: Callable[[], _Pending]) -> bool:
+        """Take the checksum of one tensor of ``_unsummed`` (``pop`` says which end);
+        ``False`` when there is none. Run on the writer's thread and, at close, on the
+        caller's too: each tensor's by one of them, outside the GIL (``_crc32c``)."""
+        try:
+            p = pop()
+        except IndexError:
+            return False
+        p.entry["crc32c"] = _crc32c(p.flat)
+        _check_unchanged(p)  # its bytes written may be the ones summed only if it is
+        return True
+
     # -- lifecycle
 
     def close(self) -> None:
         """Finish the dump: the index, metadata digest, ``complete`` last, atomic rename."""
-        if self._worker is not None and self._failed is None:
-            self._hand_over()
-        if self.checksums and self._failed is None:
-            # While the thread writes what is left, take the checksums it has not taken
-            # yet, from the last tensor back (the thread goes from the first on).
-            for p in reversed(tuple(self._queued)):  # a copy: the thread pops from the left
-                if "crc32c" not in p.entry:
-                    p.entry["crc32c"] = _crc32c(p.flat)
         try:
-            self._on_worker(self._close)
+            if self._worker is not None and self._failed is None:
+                self._hand_over()
+        except BaseException as exc:  # finished below: the dump is removed, this raised
+            self._failed = self._failed or exc
+        if self._worker is None:
+            self._close()
+            return
+        # While the thread writes what is left (then takes checksums from the first tensor
+        # on), the caller takes the checksums from the last tensor back.
+        done = self._worker.submit(self._close)
+        try:
+            while self._failed is None and self._sum_one(self._unsummed.pop):
+                pass
+            if self._failed is None and all("crc32c" in t for t in self._tensors):
+                # Every checksum is in: the index, encoded here while the thread writes.
+                self._index_bytes = self._encode_index()
+        except BaseException as exc:
+            self._failed = self._failed or exc
         finally:
-            self._stop_worker()
+            self._summing_done.set()
+            try:
+                done.result()
+            finally:
+                self._stop_worker()
 
     def _close(self) -> None:
         if self._file is None:  # closed before, or never created
@@ -574,6 +707,10 @@ class DumpWriter:
             return
         f = self._file
         try:
+            while self._failed is None and self._sum_one(self._unsummed.popleft):
+                pass
+            if self._worker is not None:
+                self._summing_done.wait()  # the caller's share
             self._raise_failure()
             self._write_meta()
             for name, packed in self._packed.items():
@@ -587,11 +724,14 @@ class DumpWriter:
                 raise DumpError(f"{self.path}: cannot finish the dump: {_one_line(exc)}", path=str(self.path)) from exc
             raise
 
+    def _encode_index(self) -> bytes:
+        index = {"tensors": self._tensors, "sites": self._sites, **self._structures}
+        return json.dumps(index, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
     def _write_index(self, f: h5py.File) -> None:
         """``/index``: one fixed-length UTF-8 string of JSON (inside the file's checksummed
         structures, unlike a variable-length one) and its CRC-32C."""
-        index = {"tensors": self._tensors, "sites": self._sites, **self._structures}
-        data = json.dumps(index, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        data = self._index_bytes if self._index_bytes is not None else self._encode_index()
         size = max(len(data), 1)
         tid = h5py.h5t.C_S1.copy()
         tid.set_size(size)
@@ -699,6 +839,12 @@ class DumpWriter:
         self._root["json_attributes"] = _set_attr(f, "json_attributes", json.dumps(json_keys))
         self._meta_keys = list(self.meta)
         self._meta_written = encoded
+
+def _check_unchanged(p: _Pending) -> None:
+    """Fail the dump if the model changed a tensor in place after it was handed over."""
+    if p.holder is not None and p.holder._version != p.version:
+        raise TensorChanged(f"{p.site}: a tensor it recorded was changed in place before it was written")
+
 
 def _one_line(exc: BaseException) -> str:
     """An exception's message on one line (libhdf5's carry the time, newline included)."""
