@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import enum
 import functools
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
@@ -500,6 +502,19 @@ class PrecisionSide(LiveSide):
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
         return PrecisionSide(self, dtype, device)
 
+    def runs_as(self, other: Side) -> bool:
+        """Whether ``other`` is this side's code at this precision: a live side on this
+        device whose model is the copy's twin (:func:`twins`) under the same layout. Its own
+        record then is this side's free run (same inputs, same computation)."""
+        model = getattr(other, "model", None)
+        return (
+            isinstance(model, nn.Module)
+            and type(other) is LiveSide
+            and other.device == self.device
+            and other.layout.to_dict() == self.layout.to_dict()
+            and twins(self.module(""), model)
+        )
+
 
 class ShardedSide(LiveSide):
     """A live model split across the ranks of a launched run (tensor or expert parallel,
@@ -732,6 +747,84 @@ class DumpSide(SideDefaults):
     def record(self, inputs: Any, store: SiteStore, *, hold: str | None, progress: Any = None) -> Any:
         raise self._cannot("run the model")
 
+
+
+# A module's own state that is not its settings: compared apart (tensors, submodules) or
+# left out (hooks that do not run in a forward).
+_TREE = ("_parameters", "_buffers", "_modules")
+_FORWARD_HOOKS = (
+    "_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def twins(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two models compute the same thing on the same inputs: the same module tree
+    of the same classes, no forward hooks, every parameter and buffer bit for bit the same
+    (dtype, shape, strides, device), and every other attribute of every module equal —
+    numbers, strings, dtypes, tensors, containers of them, dataclasses and configurations
+    (``to_dict``), the same functions. Anything it cannot compare (another object, a bound method, a
+    tensor subclass) makes them not twins."""
+    mods_a, mods_b = list(a.named_modules(remove_duplicate=False)), list(b.named_modules(remove_duplicate=False))
+    if [n for n, _ in mods_a] != [n for n, _ in mods_b]:
+        return False
+    for (_, x), (_, y) in zip(mods_a, mods_b):
+        if type(x) is not type(y):
+            return False
+        own_x, own_y = vars(x), vars(y)
+        if own_x.keys() != own_y.keys():
+            return False
+        for key, value in own_x.items():
+            other = own_y[key]
+            if key in _FORWARD_HOOKS:
+                if value or other:
+                    return False
+            elif key == "_modules":
+                continue  # walked above
+            elif key.endswith("hooks") and key.startswith("_"):
+                continue  # state-dict and backward hooks: not part of a forward
+            elif not _same_value(value, other):
+                return False
+    return True
+
+
+_PLAIN = (bool, int, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if x is y:
+        return True
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, torch.Tensor):
+        return _same_tensor(x, y)
+    if isinstance(x, float):
+        return x == y or (x != x and y != y)
+    if isinstance(x, _PLAIN):
+        return x == y
+    if isinstance(x, (tuple, list)):
+        return len(x) == len(y) and all(_same_value(u, v) for u, v in zip(x, y))
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(_same_value(v, y[k]) for k, v in x.items())
+    if isinstance(x, (set, frozenset)):
+        return x == y and all(isinstance(v, _PLAIN) for v in x)
+    if dataclasses.is_dataclass(x):
+        return all(_same_value(getattr(x, f.name), getattr(y, f.name)) for f in dataclasses.fields(x))
+    if callable(getattr(x, "to_dict", None)) and not isinstance(x, nn.Module):
+        try:
+            return _same_value(x.to_dict(), y.to_dict())
+        except Exception:
+            return False
+    return False  # functions compare by identity (deep copies share them), above
+
+
+def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bit for bit the same plain dense tensor (dtype, shape, strides, device)."""
+    if type(x) not in (torch.Tensor, nn.Parameter) or x.layout != torch.strided or x.is_quantized:
+        return False
+    if (x.dtype, x.shape, x.stride(), x.device) != (y.dtype, y.shape, y.stride(), y.device) or not x.is_contiguous():
+        return False
+    return x.numel() == 0 or torch.equal(x.detach().reshape(-1).view(torch.uint8), y.detach().reshape(-1).view(torch.uint8))
 
 
 def cast_copy(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import DumpError
 
 FORMAT = "blockdiff.dump"
-# 4: tensors packed into one dataset per stored dtype, one JSON index (blockdiff 0.4);
+# 4: tensors packed into 1-D datasets per stored dtype, one JSON index (blockdiff 0.4);
 # 3: a group per site, a dataset per tensor, optional /floors; 2: CRC-32C checksums
 # (``crc32c``); 1 (blockdiff 0.1): zlib CRC-32 (``crc32``). Every one is still read.
 SCHEMA_VERSION = 4
@@ -453,11 +453,11 @@ def _fsync(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# the packed layout (schema 4): one 1-D dataset per stored dtype under /tensors, and a JSON
-# index (/index) saying where each tensor is and which sites mention it
+# the packed layout (schema 4): 1-D datasets of each stored dtype under /tensors (contiguous,
+# one per batch the writer's thread wrote; compressed dumps: one chunked dataset per dtype),
+# and a JSON index (/index) saying where each tensor is and which sites mention it
 
-# Chunk size of the packed datasets: whole chunks are handed to libhdf5 as they are
-# (``write_direct_chunk``); 1 MiB wrote fastest of 256 KiB, 1 MiB and 4 MiB
+# Chunk size of compressed dumps' datasets: 1 MiB wrote fastest of 256 KiB, 1 MiB and 4 MiB
 # (``benchmarks/dump_layouts.py``). A dataset smaller than one chunk is one chunk of its size.
 PACKED_CHUNK_BYTES = 1 << 20
 # Bounds on what a reader accepts before it reads the index (a damaged size must not
