@@ -763,7 +763,7 @@ def twins(a: nn.Module, b: nn.Module) -> bool:
     of the same classes, no forward hooks, every parameter and buffer bit for bit the same
     (dtype, shape, strides, device), and every other attribute of every module equal —
     numbers, strings, dtypes, tensors, containers of them, dataclasses and configurations
-    (``to_dict``), the same functions. Anything it cannot compare (another object, a bound method, a
+    (``to_dict``), the same functions (and partials of them). Anything it cannot compare (another object, a bound method, a
     tensor subclass) makes them not twins."""
     mods_a, mods_b = list(a.named_modules(remove_duplicate=False)), list(b.named_modules(remove_duplicate=False))
     if [n for n, _ in mods_a] != [n for n, _ in mods_b]:
@@ -808,6 +808,8 @@ def _same_value(x: Any, y: Any) -> bool:
         return x.keys() == y.keys() and all(_same_value(v, y[k]) for k, v in x.items())
     if isinstance(x, (set, frozenset)):
         return x == y and all(isinstance(v, _PLAIN) for v in x)
+    if isinstance(x, functools.partial):  # deep copies make new ones of the same function
+        return x.func is y.func and _same_value(x.args, y.args) and _same_value(x.keywords, y.keywords)
     if dataclasses.is_dataclass(x):
         return all(_same_value(getattr(x, f.name), getattr(y, f.name)) for f in dataclasses.fields(x))
     if callable(getattr(x, "to_dict", None)) and not isinstance(x, nn.Module):
