@@ -56,7 +56,7 @@ from .onnxside import OnnxModel, diff_onnx, is_onnx
 from .pairing import check_block_counts
 from .report import Report
 from .site import describe_key
-from .sides import DumpSide, LiveSide, PipelineSide, PrecisionSide, ShardedSide, Side, compiled_code_limits, versions
+from .sides import DumpSide, LiveSide, PipelineSide, ShardedSide, Side, compiled_code_limits, versions
 from .store import MemoryStore
 from .experiments import StoredFloors
 from .tolerance import Tolerance, working_dtype
@@ -626,7 +626,7 @@ def _localize(
         # Drift floors: the reference's own free run at the candidate's precision. When the
         # candidate is that very code (a model against its own cast: the same classes,
         # settings and weights at that precision), its own record is the free run.
-        if isinstance(floor, PrecisionSide) and cand.store is not None and floor.runs_as(cand):
+        if cand.store is not None and floor.runs_as(cand):
             localizer.experiments.free_run = cand.store
         else:
             record = free_run or (lambda side: _record_in_memory(side, inputs))

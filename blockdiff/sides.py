@@ -119,6 +119,10 @@ class Side(Protocol):
         """This side's code run in ``dtype`` on ``device`` (noise floors); ``None`` when it
         cannot run."""
 
+    def runs_as(self, other: "Side") -> bool:
+        """Whether ``other`` computes what this side does, so that its record is this
+        side's run (a floor side and a candidate that is the reference's own cast)."""
+
     def holds(self, block: int | None, module: str) -> bool:
         """Whether this process judges block ``block``, or (``block`` None) the stage module
         ``module``, with this side as the candidate: a pipeline stage only the ones its rank
@@ -215,13 +219,16 @@ def _distributions() -> dict[str, list[str]]:
 
 class SideDefaults:
     """The protocol's members most sides answer alike: no model attributes, no other
-    precision, every block judged here, a localization as the localizer runs it."""
+    precision, no twin, every block judged here, a localization as the localizer runs it."""
 
     def attribute(self, path: str) -> Any:
         return None
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "Side | None":
         return None
+
+    def runs_as(self, other: "Side") -> bool:
+        return False
 
     def holds(self, block: int | None, module: str) -> bool:
         return True
@@ -822,11 +829,11 @@ def _same_value(x: Any, y: Any) -> bool:
 
 def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Bit for bit the same plain dense tensor (dtype, shape, strides, device)."""
+    from .experiments import same_bits  # experiments builds on sides
+
     if type(x) not in (torch.Tensor, nn.Parameter) or x.layout != torch.strided or x.is_quantized:
         return False
-    if (x.dtype, x.shape, x.stride(), x.device) != (y.dtype, y.shape, y.stride(), y.device) or not x.is_contiguous():
-        return False
-    return x.numel() == 0 or torch.equal(x.detach().reshape(-1).view(torch.uint8), y.detach().reshape(-1).view(torch.uint8))
+    return x.stride() == y.stride() and same_bits({"t": x.detach()}, {"t": y.detach()})
 
 
 def cast_copy(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -515,6 +515,20 @@ def test_large_tensors_are_verified_as_they_are_read(tmp_path, monkeypatch):
         assert (got != big).sum() == 1
 
 
+def test_damaged_inputs_are_named_by_every_read(tmp_path):
+    path = _write(tmp_path / "d.h5", [_site(output=torch.ones(3))], inputs=torch.arange(1000.0))
+    with h5py.File(path, "r") as f:
+        index = json.loads(f["index"][()])
+        ref = index["inputs"]["ref"]
+        entry = index["tensors"][ref]
+        at = f["tensors"][entry["data"]].id.get_offset() + entry["offset"] * 4 + 17
+    _flip_byte(path, at)
+    with DumpReader(path) as dump:
+        for read in (dump.inputs, dump.verify_all):
+            with pytest.raises(DumpError, match=rf"site /inputs cannot be read .*tensor {ref} digest mismatch"):
+                read()
+
+
 def test_changed_tensor_data_fails_digest(dump_path):
     # Rewritten through HDF5: only the tensor's CRC-32C catches it.
     with h5py.File(dump_path, "r+") as f:

@@ -6,8 +6,9 @@ is schema 4, documented in ``docs/dump-format.md``:
 
 - file attributes: ``format`` (``"blockdiff.dump"``), ``schema_version``, versions,
   creation time, the capture's ``meta``, a ``metadata_digest`` and ``complete`` (last);
-- ``/tensors/<dtype>``: the elements of every tensor, appended to one 1-D dataset per
-  stored dtype;
+- ``/tensors/<dtype>.<n>``: the elements of every tensor, in 1-D datasets of their stored
+  dtype, one per batch the writer wrote (a compressed dump: one ``<dtype>`` dataset per
+  dtype);
 - ``/index``: one JSON document: each tensor's dataset, offset, count, dtype, shape and
   CRC-32C; each site's stage, block, sub-path, module, order and ``args``/``kwargs``/
   ``output`` structure; the model inputs and noise floors of the run.

@@ -119,10 +119,10 @@ def _crc32c(arr: np.ndarray) -> str:
 
     The checksum of every tensor since schema 2. It catches every flip of up to three bits
     and every burst of up to 32, and runs at 13-28 GB/s (SSE4.2 instructions, through
-    google-crc32c) where zlib's CRC-32 runs at 4: checksums cost a dump 2-5% of its write
-    and read time instead of 30% (``benchmarks/overhead.py``). Through ctypes where the
-    library is found, which lets go of the GIL: a dump writer's thread takes checksums
-    while the forward goes on."""
+    google-crc32c) where zlib's CRC-32 runs at 4: checksums cost a dump 0-6% of its write
+    time and about 15% of its read time (``benchmarks/overhead.py``), where zlib's cost
+    about 30%. Through ctypes where the library is found, which lets go of the GIL: a dump
+    writer's thread takes checksums while the forward goes on."""
     data = _byte_view(arr)
     if _CRC32C_VALUE is not None and data.nbytes:
         return format(_CRC32C_VALUE(data.ctypes.data, data.nbytes), "08x")
@@ -545,16 +545,19 @@ def read_packed(dset: h5py.Dataset, entry: dict[str, Any], stored: np.dtype, fd:
 # 0.85-0.86, against 0.76 with the checksum taken after the whole tensor was read
 # (benchmarks/overhead.py, checksums on / off).
 _READ_PIECE = 4 << 20
-_SUMMER: list[Any] = []  # the thread that takes the pieces' checksums, made at first use
+
+
+@functools.lru_cache(maxsize=None)
+def _summer() -> Any:
+    """The thread that takes the pieces' checksums, made at first use."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(1, thread_name_prefix="blockdiff-crc")
 
 
 def _read_summing(fd: int, position: int, arr: np.ndarray) -> str:
     """Fill ``arr`` with the bytes at ``position`` of the file; returns their CRC-32C."""
-    if not _SUMMER:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _SUMMER.append(ThreadPoolExecutor(1, thread_name_prefix="blockdiff-crc"))
-    summer = _SUMMER[0]
+    summer = _summer()
     data = arr.view(np.uint8)
     view, base = memoryview(data), data.ctypes.data
     crc, taking = 0, None

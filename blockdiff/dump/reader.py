@@ -128,12 +128,14 @@ def _shape(value: Any) -> list[int]:
     return shape
 
 
-def _verified(arr: np.ndarray, checksums: dict[str, Any], ref: Any) -> None:
-    """Check ``arr`` against the first checksum ``checksums`` has (``crc32c``, ``crc32``)."""
+def _verified(arr: np.ndarray, checksums: dict[str, Any], ref: Any, crc32c: str | None = None) -> None:
+    """Check ``arr`` against the first checksum ``checksums`` has (``crc32c``, ``crc32``);
+    ``crc32c``: the array's CRC-32C, when it was taken as it was read."""
     kind = next((k for k in _CHECKSUMS if k in checksums), None)
     if kind is None:
         raise ValueError(f"tensor {ref} has no checksum (a dump written with checksums off): read it with verify=False")
-    if _CHECKSUMS[kind](arr) != checksums[kind]:
+    found = crc32c if kind == "crc32c" and crc32c is not None else _CHECKSUMS[kind](arr)
+    if found != checksums[kind]:
         raise _DigestMismatch(ref)
 
 
@@ -385,12 +387,12 @@ class DumpReader:
 
     def inputs(self) -> Any:
         """The recorded model inputs, or ``None`` if the dump has none."""
-        return self._whole("inputs", None)
+        return self._whole("inputs", None)[0]
 
     def floors(self) -> dict[str, Any]:
         """The noise floors stored at capture, by precision label (``bfloat16@cpu``): each a
         dict with ``dtype``, ``device`` and ``values``; empty when the dump has none."""
-        return self._whole("floors", {})
+        return self._whole("floors", {})[0]
 
     def verify_all(self) -> VerifySummary:
         """Read every tensor of every site and the inputs, checking each digest.
@@ -415,14 +417,11 @@ class DumpReader:
             tensors += len(dec.tensors)
             nbytes += dec.nbytes
         for name in ("inputs", "floors"):
-            with self._guard("cannot be read (the file is damaged)", site=f"/{name}"):
-                found = self._structure(name)
-                if found is not None:
-                    dec = _Decoder(found[1], verify=True)
-                    dec.node(found[0])
-                    used.update(dec.tensors)
-                    tensors += len(dec.tensors)
-                    nbytes += dec.nbytes
+            _, dec = self._whole(name, None, verify=True)
+            if dec is not None:
+                used.update(dec.tensors)
+                tensors += len(dec.tensors)
+                nbytes += dec.nbytes
         if self._packed:
             with self._guard("is damaged"):
                 unused = sorted(set(range(len(self._index["tensors"]))) - used)
@@ -499,14 +498,17 @@ class DumpReader:
         structure = json.loads(_decode_attr(self._objects[name].attrs["structure"]))
         return structure, _GroupTensors(self._open_file()[name], name, self._objects)
 
-    def _whole(self, name: str, absent: Any) -> Any:
+    def _whole(self, name: str, absent: Any, *, verify: bool | None = None) -> tuple[Any, _Decoder | None]:
+        """A whole structure (``inputs``, ``floors``), decoded, and its decoder; ``absent``
+        and ``None`` when the dump has none."""
         self._open_file()
         with self._guard("cannot be read (the file is damaged)", site=f"/{name}"):
             found = self._structure(name)
             if found is None:
-                return absent
+                return absent, None
+            dec = _Decoder(found[1], verify=self.verify if verify is None else verify)
             try:
-                return _Decoder(found[1], verify=self.verify).node(found[0])
+                return dec.node(found[0]), dec
             except _DigestMismatch as exc:
                 raise ValueError(f"tensor {exc.ref} digest mismatch: the file is damaged") from None
 
@@ -521,11 +523,8 @@ class DumpReader:
         if math.prod(shape) != entry["count"]:
             raise ValueError(f"tensor {ref}: shape {shape} does not hold {entry['count']} elements")
         arr, crc = read_packed(self._data[entry["data"]], entry, _stored_as(dtype), self._fd if verify else None)
-        if verify and crc is not None and "crc32c" in entry:
-            if crc != entry["crc32c"]:
-                raise _DigestMismatch(ref)
-        elif verify:
-            _verified(arr, entry, ref)
+        if verify:
+            _verified(arr, entry, ref, crc)
         return _as_tensor(arr, dtype, shape)
 
     @contextmanager

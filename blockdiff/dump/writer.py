@@ -260,15 +260,14 @@ class _Contiguous:
     ``numpy.tofile`` (``benchmarks/overhead.py``, figure 3). Where the platform has no
     ``pwrite`` or libhdf5's file driver gives no descriptor, libhdf5 writes them."""
 
-    def __init__(self, file: h5py.File, group: h5py.Group) -> None:
+    def __init__(self, group: h5py.Group, fd: int | None) -> None:
         self.group = group
         self.dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         self.dcpl.set_layout(h5py.h5d.CONTIGUOUS)
         self.dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
         self.dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every byte is written, once
         self.dcpl.set_obj_track_times(False)
-        handle = file.id.get_vfd_handle() if hasattr(os, "pwrite") else None
-        self.fd: int | None = handle if isinstance(handle, int) else None
+        self.fd = fd if hasattr(os, "pwrite") else None
 
     def write(self, name: str, dtype: np.dtype, arrays: list[np.ndarray]) -> _Object:
         """A new dataset ``name`` holding ``arrays`` one after the other; returns what the
@@ -347,8 +346,6 @@ _ALIGN_ABOVE, _ALIGN = 64 * 2**10, 4096
 def _linux_call(name: str, *argtypes: Any) -> Callable | None:
     """A Linux system call Python's ``os`` does not wrap (``sync_file_range``,
     ``fallocate``), through libc, or ``None`` elsewhere. ctypes lets go of the GIL."""
-    import ctypes
-
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -378,9 +375,10 @@ class DumpWriter:
     file to ``path`` atomically. An exception inside the ``with`` block, or :meth:`abort`,
     removes the temporary file and leaves nothing at ``path``.
 
-    :meth:`add` encodes a site and hands its tensors to the writer's thread (8 MiB at a
-    time), which writes them and takes their checksums while the caller goes on (the
-    forward is not held by libhdf5). The thread keeps a reference to each tensor until its
+    :meth:`add` encodes a site and hands its tensors to the writer's thread (the first
+    time after 1 MiB, then every 8 MiB), which writes them, and takes their checksums when
+    it has nothing to write, while the caller goes on (the forward is not held by libhdf5);
+    at close the caller takes the checksums left. The thread keeps a reference to each tensor until its
     bytes are written, at most 64 MiB of them at a time;
     a tensor changed in place before then (its version counter moved) fails the dump with
     :class:`~blockdiff.errors.TensorChanged`, at the next :meth:`add` or at :meth:`close`.
@@ -433,7 +431,9 @@ class DumpWriter:
         self._tensors: list[dict[str, Any]] = []
         self._sites: list[dict[str, Any]] = []
         self._structures: dict[str, Any] = {}  # inputs, floors
-        self._datasets: dict[str, int] = {}  # per stored dtype: datasets, or elements (compressed)
+        # Given out to tensors per stored dtype: datasets (``float32.N``), or in a compressed
+        # dump the elements of its one dataset (``float32``).
+        self._given: dict[str, int] = {}
         # Tensors stored by earlier sites: id -> (weak reference, ref), see _Encoder.tensor.
         self._written: dict[int, tuple] = {}
         # What the metadata digest covers, recorded as it is written (not read back).
@@ -501,11 +501,12 @@ class DumpWriter:
             self._write_meta(encoded_meta)
             self._group = self._file.create_group("tensors")
             self._objects["tensors"] = _Object("group", {})
+            handle = self._file.id.get_vfd_handle()
+            fd = handle if isinstance(handle, int) else None  # libhdf5's, on POSIX
             if not self._compression:
-                self._contiguous = _Contiguous(self._file, self._group)
+                self._contiguous = _Contiguous(self._group, fd)
             if self.durable and _SYNC_FILE_RANGE is not None:
-                handle = self._file.id.get_vfd_handle()
-                self._fd = handle if isinstance(handle, int) else None
+                self._fd = fd
         except BaseException as exc:
             self._abort()
             self._failed = exc
@@ -606,14 +607,12 @@ class DumpWriter:
             groups.setdefault(stored_name(p.flat.dtype), []).append(p)
         out = []
         for base, items in groups.items():
-            if self.compress:
-                name, offset = base, self._datasets.get(base, 0)
-            else:
-                name, offset = f"{base}.{self._datasets.get(base, 0)}", 0
+            given = self._given.get(base, 0)
+            name, offset = (base, given) if self.compress else (f"{base}.{given}", 0)
             for p in items:
                 p.entry["data"], p.entry["offset"] = name, offset
                 offset += p.flat.size
-            self._datasets[base] = offset if self.compress else self._datasets.get(base, 0) + 1
+            self._given[base] = offset if self.compress else given + 1
             out.append((name, items))
         return out
 
