@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import build, dump_arrays  # noqa: E402
 
 from blockdiff.dump.format import _crc32c  # noqa: E402
+from blockdiff.dump.writer import _FALLOCATE as fallocate  # noqa: E402  (Linux; None elsewhere)
 
 PIECE = 1 << 20
 
@@ -75,9 +76,6 @@ def glibc_aio():
 
 
 AIO = glibc_aio()
-libc = ctypes.CDLL(None, use_errno=True)
-fallocate = libc.fallocate
-fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 
 
 class Writes:

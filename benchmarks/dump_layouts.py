@@ -61,6 +61,8 @@ import google_crc32c
 import h5py
 import numpy as np
 
+from blockdiff.dump.writer import _FALLOCATE  # Linux; None elsewhere
+
 MiB = 2**20
 WRITEBACK_EVERY = 8 * MiB
 LIBVER = ("v110", "v110")  # what blockdiff's dumps use: checksummed metadata (superblock 3, v2 headers)
@@ -342,8 +344,6 @@ def write_external(path: Path, tensors) -> None:
 
 # --- F: contiguous datasets per batch, the bytes written by the writer ---------------------
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 
 
 def write_contiguous(path: Path, tensors, falloc: bool) -> None:
@@ -361,8 +361,8 @@ def write_contiguous(path: Path, tensors, falloc: bool) -> None:
         name = f"tensors/{flats[0].dtype.name}.{n}"
         dset = h5py.h5d.create(f.id, name.encode(), h5py.h5t.py_create(flats[0].dtype), h5py.h5s.create_simple((sum(x.size for x in flats),)), dcpl=dcpl)
         offset, pos = dset.get_offset(), 0
-        if falloc:
-            _LIBC.fallocate(fd, 1, offset, size)  # FALLOC_FL_KEEP_SIZE
+        if falloc and _FALLOCATE is not None:
+            _FALLOCATE(fd, 1, offset, size)  # FALLOC_FL_KEEP_SIZE
         views = [memoryview(x).cast("B")[i : i + MiB] for x in flats for i in range(0, x.nbytes, MiB)]
         for v in views:  # one MiB a call
             os.pwrite(fd, v, offset + pos)

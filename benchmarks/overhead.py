@@ -253,7 +253,7 @@ def total_bytes(arrays: list[np.ndarray]) -> int:
 def write_lines(rates: dict[str, float], arrays: list[np.ndarray]) -> str:
     return "\n".join((
         f"3. HDF5 write / numpy.tofile (same bytes) {rates['blockdiff dump'] / rates['tofile']:8.3f}   (goal >= 0.85)"
-        f"   [{rates['tofile'] / 1e9:.2f} vs {rates['blockdiff dump'] / 1e9:.2f} GB/s, {sum(a.nbytes for a in arrays) / 1e6:.0f} MB]",
+        f"   [{rates['tofile'] / 1e9:.2f} vs {rates['blockdiff dump'] / 1e9:.2f} GB/s, {total_bytes(arrays) / 1e6:.0f} MB]",
         f"   durable dump (--fsync) / (tofile + fsync + rename) {rates['blockdiff dump, durable'] / rates['tofile + fsync']:8.3f}"
         f"   [{rates['tofile + fsync'] / 1e9:.2f} vs {rates['blockdiff dump, durable'] / 1e9:.2f} GB/s]; "
         f"plain h5py / tofile {rates['h5py plain'] / rates['tofile']:.3f}",

@@ -515,6 +515,30 @@ def test_large_tensors_are_verified_as_they_are_read(tmp_path, monkeypatch):
         assert (got != big).sum() == 1
 
 
+def test_a_read_failing_midway_through_a_large_tensor_is_a_dump_error(tmp_path, monkeypatch):
+    # The read of a later piece fails while the checksum thread works on an earlier one:
+    # the reader waits for that thread before it lets go of the array, and says which site.
+    import blockdiff.dump.format as format_module
+
+    big = torch.randn(3 * 2**20, generator=torch.Generator().manual_seed(8))  # 12 MiB
+    path = _write(tmp_path / "d.h5", [_site(block=0, module="big", output=big)])
+    real, calls = os.preadv, []
+
+    def failing(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(format_module.os, "preadv", failing)
+    with DumpReader(path) as dump:
+        with pytest.raises(DumpError, match=r"site sites\[0\] .*Input/output error"):
+            dump.block_sites(0)
+    assert len(calls) == 2
+    monkeypatch.setattr(format_module.os, "preadv", real)
+    _check_round_trip(path, [big])
+
+
 def test_damaged_inputs_are_named_by_every_read(tmp_path):
     path = _write(tmp_path / "d.h5", [_site(output=torch.ones(3))], inputs=torch.arange(1000.0))
     with h5py.File(path, "r") as f:

@@ -561,17 +561,20 @@ def _read_summing(fd: int, position: int, arr: np.ndarray) -> str:
     data = arr.view(np.uint8)
     view, base = memoryview(data), data.ctypes.data
     crc, taking = 0, None
-    for start in range(0, data.nbytes, _READ_PIECE):
-        end = min(start + _READ_PIECE, data.nbytes)
-        pos = start
-        while pos < end:
-            got = os.preadv(fd, [view[pos:end]], position + pos)
-            if got <= 0:
-                if taking is not None:
-                    taking.result()
-                raise ValueError(f"the file ends inside a tensor's data (at byte {position + pos})")
-            pos += got
-        if taking is not None:
-            crc = taking.result()
-        taking = summer.submit(_CRC32C_EXTEND, crc, base + start, end - start)
-    return format(taking.result(), "08x")
+    try:
+        for start in range(0, data.nbytes, _READ_PIECE):
+            end = min(start + _READ_PIECE, data.nbytes)
+            pos = start
+            while pos < end:
+                got = os.preadv(fd, [view[pos:end]], position + pos)
+                if got <= 0:
+                    raise ValueError(f"the file ends inside a tensor's data (at byte {position + pos})")
+                pos += got
+            if taking is not None:
+                crc, taking = taking.result(), None
+            taking = summer.submit(_CRC32C_EXTEND, crc, base + start, end - start)
+        crc, taking = taking.result(), None
+    finally:
+        if taking is not None:  # a read failed: the other thread must be done with arr first
+            taking.result()
+    return format(crc, "08x")

@@ -277,7 +277,7 @@ class DumpReader:
             handle = self._file.id.get_vfd_handle()
         # libhdf5's file descriptor: large tensors of contiguous datasets are read through
         # it, their checksums taken as the pieces arrive (format.read_packed).
-        self._fd: int | None = handle if isinstance(handle, int) else None
+        self._fd = handle if isinstance(handle, int) else None
         try:
             with self._guard("is damaged"):
                 self._validate()

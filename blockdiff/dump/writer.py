@@ -839,6 +839,7 @@ class DumpWriter:
         self._meta_keys = list(self.meta)
         self._meta_written = encoded
 
+
 def _check_unchanged(p: _Pending) -> None:
     """Fail the dump if the model changed a tensor in place after it was handed over."""
     if p.holder is not None and p.holder._version != p.version:
