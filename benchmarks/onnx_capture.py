@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from blockdiff.hookmap import resolve  # noqa: E402
-from blockdiff.onnxside import OnnxModel, OnnxSide, capture_changes_outputs, export_onnx  # noqa: E402
+from blockdiff import resolve  # noqa: E402
+from blockdiff.sides.onnx import OnnxModel, OnnxSide, capture_changes_outputs, export_onnx  # noqa: E402
 from samples import hf_llama, tinylm  # noqa: E402
 
 

@@ -280,7 +280,7 @@ cand = build(blocks, hidden=hidden, intermediate=inter, vocab=vocab)
 weights = sum(p.numel() * p.element_size() for m in (ref, cand) for p in m.parameters())
 ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
 import gc
-from blockdiff.store import release_freed_memory
+from blockdiff.dump.memory import release_freed_memory
 gc.collect()
 release_freed_memory()  # start from a heap without the models' construction garbage
 def status(key):

@@ -35,8 +35,10 @@ from .errors import (  # noqa: E402
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .assertion import DivergenceError, assert_no_divergence
-    from .engine import Options, RandomTokens, diff, run
-    from .hookmap import HookMap, Layout, resolve
+    from .engine import Options, diff, run
+    from .inputs import RandomTokens
+    from .autodetect import resolve
+    from .hookmap import HookMap, Layout
     from .report import Report
     from .tolerance import Tolerance
     from .weights import trained_looking_
@@ -46,12 +48,12 @@ _LAZY = {
     "diff": ".engine",
     "run": ".engine",
     "Options": ".engine",
-    "RandomTokens": ".engine",
+    "RandomTokens": ".inputs",
     "Report": ".report",
     "Tolerance": ".tolerance",
     "HookMap": ".hookmap",
     "Layout": ".hookmap",
-    "resolve": ".hookmap",
+    "resolve": ".autodetect",
     "trained_looking_": ".weights",
     "assert_no_divergence": ".assertion",
     "DivergenceError": ".assertion",

@@ -261,15 +261,3 @@ def default_next_steps(report: Report) -> list[str]:
     if hint is not None:
         steps.append(hint)
     return steps
-
-
-# Moved to blockdiff.golden (0.3): still importable from here.
-_MOVED = {"assert_matches_golden": "assert_matches_golden", "obtained_path": "obtained_path", "golden_inputs_digest": "inputs_digest"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from . import golden
-
-        return getattr(golden, _MOVED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

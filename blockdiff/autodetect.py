@@ -1,7 +1,7 @@
 """Auto-detection: a hook map guessed from a model's module tree.
 
-:func:`~blockdiff.hookmap.resolve` falls back on :func:`detect` when no map is given and
-no bundled map matches the model's class; the guess is a :class:`~blockdiff.hookmap.HookMap`
+:func:`resolve` maps a model: with the map given, else the bundled map matching its class
+name, else the guess of :func:`detect`; the guess is a :class:`~blockdiff.hookmap.HookMap`
 like any other, with ``source == "auto-detected"``, so capture and localization treat it
 the same. The rules are documented in ``docs/hook-maps.md``, "Auto-detection".
 """
@@ -17,7 +17,29 @@ import torch
 from torch import nn
 
 from .errors import HookMapError
-from .hookmap import AUTO_DETECTED, HookMap
+from .hookmap import AUTO_DETECTED, HookMap, Layout, apply_map, find
+
+
+def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
+    """Apply a hook map to ``model``: every module it names must exist.
+
+    Args:
+        model: the model to map.
+        hook_map: the map to use; when ``None``, the bundled map matching the model's
+            class name, or else one guessed by :func:`detect` (``source`` says so).
+
+    Raises:
+        HookMapError: a named module does not exist, the block list is not a list, or no
+            map was given, none matches and the anatomy cannot be guessed.
+
+    >>> layout = resolve(model)                                  # doctest: +SKIP
+    """
+    if hook_map is None:
+        try:
+            hook_map = find(model)
+        except HookMapError:
+            hook_map = detect(model)
+    return apply_map(model, hook_map)
 
 # -- auto-detection ----------------------------------------------------------------------
 #

@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator, Literal, TypeVar
 import torch
 from torch import nn
 
-from .distributed import declared_whole, in_lockstep, is_distributed, made_whole
+from .distributed import declared_whole, is_distributed, made_whole
+from .hooking import Hooks
 from .hookmap import Layout
 from .inputs import run_model
 from .errors import TensorChanged
@@ -46,8 +47,13 @@ class Snapshots:
     checks them again once its thread has copied their bytes (:class:`~blockdiff.dump.DumpWriter`).
     """
 
-    def __init__(self, *, by_reference: str | None = None, device_copies: "DeviceCopies | None" = None) -> None:
+    def __init__(
+        self, *, by_reference: str | None = None, device_copies: "DeviceCopies | None" = None, lockstep: bool = False
+    ) -> None:
         self.by_reference = by_reference
+        # A run in lockstep with other ranks copies at once: its records are gathered and
+        # compared across ranks.
+        self.lockstep = lockstep
         self._cache: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         self._held: dict[int, tuple[torch.Tensor, int]] = {}
         # Copies of CUDA tensors, queued on a side stream (see DeviceCopies).
@@ -63,8 +69,7 @@ class Snapshots:
         if self.by_reference and version is not None and t_.device.type == "cpu":
             self._held[id(t_)] = (t_, version)
             copy = t_
-        elif self.device_copies.handles(t_) and not in_lockstep() and not is_distributed(t_):
-            # (a sharded run copies at once: its records are gathered and compared in lockstep)
+        elif self.device_copies.handles(t_) and not self.lockstep and not is_distributed(t_):
             copy = self.device_copies.copy(t_)
         else:
             copy = recorded_copy(t_)
@@ -200,6 +205,75 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+class Numbering:
+    """Site numbering: which call of a module this is, its ordinal within its (stage,
+    block, sub-path), its place in the run's order; a call the map's ``calls`` does not
+    select opens no site."""
+
+    def __init__(self, layout: Layout, whole: bool) -> None:
+        self.layout = layout
+        self.whole = whole  # hidden inputs declared local shards are recorded whole
+        self.calls: dict[str, int] = {}
+        self.ordinals: dict[tuple, int] = {}
+        self.order = 0
+
+    def open(
+        self, path: str, where: tuple[str, int | None, str | None], args: tuple, kwargs: dict, copy: Callable[[Any], Any]
+    ) -> Site | None:
+        """The site of this call of ``path``, its arguments recorded through ``copy``."""
+        options = self.layout.options(path)
+        call = self.calls.get(path, 0)
+        self.calls[path] = call + 1
+        if not options.selects(call):
+            return None
+        args, kwargs = copy(args), copy(kwargs)
+        if self.whole and options.shard_input is not None:
+            args, kwargs = whole_input(args, kwargs, options.shard_input, options.activations)
+        stage, block, subpath = where
+        site = Site(
+            stage=stage, block=block, subpath=subpath, module=path, call=call,
+            ordinal=self.ordinals.get(where, 0), args=args, kwargs=kwargs, order=self.order,
+            activations=options.activations,
+        )
+        self.ordinals[where] = site.ordinal + 1
+        self.order += 1
+        return site
+
+
+class Deferred:
+    """Calls made inside a compiled graph, in program order. The hook is traced by dynamo,
+    so it may only append (no copies, no counters, nothing that breaks the graph): the
+    tensors are cloned in the graph (the values as the hook saw them, whatever the graph
+    does in place after it, `h += attn(norm(h))`; the clones are extra graph outputs) and
+    handed over when the graph finishes, to be recorded in order with the eager calls."""
+
+    def __init__(self, opened: Callable, closed: Callable) -> None:
+        self.events: list[tuple] = []
+        self.opened, self.closed = opened, closed
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if _is_compiling():
+            self.events.append(("pre", module, _cloned(args), _cloned(kwargs)))
+            return None
+        self.drain()
+        self.opened(module, args, kwargs)
+        return None
+
+    def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if _is_compiling():
+            self.events.append(("post", module, _cloned(output)))
+            return None
+        self.drain()
+        self.closed(module, output)
+        return None
+
+    def drain(self) -> None:
+        """Record the calls a compiled graph handed over, in their order."""
+        for event in self.events:
+            (self.opened if event[0] == "pre" else self.closed)(*event[1:])
+        self.events.clear()
+
+
 @contextmanager
 def capture(
     model: nn.Module,
@@ -208,61 +282,29 @@ def capture(
     *,
     snapshot: Snapshots | None = None,
     progress: Callable[[int, int], None] | None = None,
+    lockstep: bool = False,
 ) -> Iterator[SiteStore]:
     """Record every site of ``layout`` that runs inside the ``with`` body into ``store``
     (copies of every tensor, unless ``snapshot`` says otherwise). ``progress(done, total)``
-    is called as each block's own call finishes.
+    is called as each block's own call finishes. ``lockstep``: the model runs on every rank
+    of a launched run, and a local shard is recorded whole.
 
     >>> with capture(model, layout, MemoryStore()) as store:   # doctest: +SKIP
     ...     model(ids)
     """
     modules = dict(model.named_modules())
     snapshot = snapshot or Snapshots()
-    calls: dict[str, int] = {}
-    ordinals: dict[tuple, int] = {}
+    numbering = Numbering(layout, whole=lockstep)
     open_sites: dict[str, list[Site | None]] = {}
-    order = [0]
     blocks_done = [0]
-    handles = []
-    # Calls made inside a compiled graph, in program order: the hook is traced by dynamo,
-    # so it may only append (no copies, no counters, nothing that breaks the graph); the
-    # graph hands the tensors over when it finishes, and they are recorded from here, in
-    # order with the calls made eagerly around it.
-    traced: list[tuple] = []
-    patched: list[tuple[nn.Module, Callable]] = []
-
     # One pair of hook functions for every module, which look the module up: a hook that
     # differed per module (a closure over its path) would make dynamo compile one graph
     # per block where the model alone shares one.
     sites: dict[int, tuple[str, tuple[str, int | None, str | None]]] = {}
 
     def opened(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        path, (stage, block, subpath) = sites[id(module)]
-        group = (stage, block, subpath)
-        options = layout.options(path)
-        call = calls.get(path, 0)
-        calls[path] = call + 1
-        if not options.selects(call):
-            # Not a site (the map's `calls`): no record, no ordinal.
-            open_sites.setdefault(path, []).append(None)
-            return
-        args, kwargs = snapshot(args), snapshot(kwargs)
-        if options.shard_input is not None and in_lockstep():
-            args, kwargs = whole_input(args, kwargs, options.shard_input, options.activations)
-        site = Site(
-            stage=stage,
-            block=block,
-            subpath=subpath,
-            module=path,
-            call=call,
-            ordinal=ordinals.get(group, 0),
-            args=args,
-            kwargs=kwargs,
-            order=order[0],
-            activations=options.activations,
-        )
-        ordinals[group] = site.ordinal + 1
-        order[0] += 1
+        path, where = sites[id(module)]
+        site = numbering.open(path, where, args, kwargs, snapshot)
         open_sites.setdefault(path, []).append(site)
 
     def closed(module: nn.Module, output: Any) -> None:
@@ -270,7 +312,7 @@ def capture(
         if site is None:
             return
         site.output = snapshot(output)
-        primary = primary_tensor(site.output) if in_lockstep() else None
+        primary = primary_tensor(site.output) if lockstep else None
         if primary is not None:  # a local shard: recorded whole
             site.output = replace_primary(site.output, made_whole(primary, module, layout.options(site.module).shard_output))
         snapshot.add(store, site, written=not isinstance(store, MemoryStore))
@@ -278,55 +320,17 @@ def capture(
             blocks_done[0] += 1
             progress(blocks_done[0], len(layout.blocks))
 
-    def drain() -> None:
-        """Record the calls a compiled graph handed over, in their order."""
-        for event in traced:
-            if event[0] == "pre":
-                opened(*event[1:])
-            else:
-                closed(*event[1:])
-        traced.clear()
-
-    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if _is_compiling():
-            # Cloned in the graph: the values as the hook saw them, whatever the graph does
-            # in place after it (`h += attn(norm(h))`). The clones are extra graph outputs.
-            traced.append(("pre", module, _cloned(args), _cloned(kwargs)))
-            return None
-        drain()
-        opened(module, args, kwargs)
-        return None
-
-    def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if _is_compiling():
-            traced.append(("post", module, _cloned(output)))
-            return None
-        drain()
-        closed(module, output)
-        return None
-
-    try:
+    deferred = Deferred(opened, closed)
+    with Hooks() as hooks:
         for path, where in layout.site_of().items():
             module = modules[path]
             if id(module) in sites:  # one module at two paths: recorded under the first
                 continue
             sites[id(module)] = (path, where)
-            if module.__dict__.get("_compiled_call_impl") is not None:
-                # Compiled in place (`layer.compile()`): its own hooks would run inside its
-                # graph, where the calls of the block before are still being handed over (a
-                # graph per block). Recorded around the compiled call instead, eagerly.
-                patched.append(_record_around(module, pre_hook, post_hook))
-                continue
-            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+            hooks.around(module, deferred.pre, deferred.post)
         yield store
-        drain()
+        deferred.drain()
         snapshot.finish()  # every device copy landed before the store is read
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, original in patched:
-            module._compiled_call_impl = original
 
 
 def whole_input(args: tuple, kwargs: dict, dim: int, names: tuple[str, ...] | None) -> tuple[tuple, dict]:
@@ -359,21 +363,6 @@ def _cloned(obj: Any) -> Any:
     return obj
 
 
-def _record_around(module: nn.Module, pre_hook: Callable, post_hook: Callable) -> tuple[nn.Module, Callable]:
-    """Wrap a module's in-place compiled call (``module.compile()``) with the recording
-    hooks, run eagerly before and after it; returns what to put back."""
-    original = module._compiled_call_impl
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        pre_hook(module, args, kwargs)
-        output = original(*args, **kwargs)
-        post_hook(module, args, kwargs, output)
-        return output
-
-    module._compiled_call_impl = recorded
-    return module, original
-
-
 Hold = Literal["kept", "written"]
 T = TypeVar("T")
 
@@ -400,6 +389,7 @@ def record_once(
     *,
     hold: Hold | None = None,
     progress: Callable[[int, int], None] | None = None,
+    lockstep: bool = False,
 ) -> Recording:
     """Run ``model`` on ``inputs`` without autograd, recording into ``store``.
 
@@ -415,13 +405,14 @@ def record_once(
             :class:`TensorChanged`, at the latest when the dump closes). A copy of every
             activation cost a tenth of the forward.
         progress: ``progress(done, total)`` per finished block.
+        lockstep: the model runs on every rank of a launched run (see :func:`capture`).
 
     Raises:
         TensorChanged: a tensor held by reference changed: run again with copies
             (:func:`with_copies`).
     """
-    snapshot = Snapshots(by_reference=hold)
-    with capture(model, layout, store, snapshot=snapshot, progress=progress), torch.no_grad():
+    snapshot = Snapshots(by_reference=hold, lockstep=lockstep)
+    with capture(model, layout, store, snapshot=snapshot, progress=progress, lockstep=lockstep), torch.no_grad():
         output = run_model(model, inputs)
     del output  # nothing outside holds the model's output: it cannot change the record
     recording = Recording(snapshot)
@@ -430,10 +421,12 @@ def record_once(
     return recording
 
 
-def with_copies(attempt: Callable[[bool], T]) -> T:
+def with_copies(attempt: Callable[[bool], T], *, lockstep: bool = False) -> T:
     """The one retry loop of the copy policy: ``attempt(False)`` holds the model's own
-    tensors; should it raise :class:`TensorChanged`, ``attempt(True)`` runs on copies."""
-    if in_lockstep():  # ranks must not retry apart: copies from the start
+    tensors; should it raise :class:`TensorChanged`, ``attempt(True)`` runs on copies.
+    ``lockstep`` (sides run on every rank of a launched run): copies from the start, since
+    ranks must not retry apart."""
+    if lockstep:
         return attempt(True)
     try:
         return attempt(False)

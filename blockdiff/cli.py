@@ -96,8 +96,11 @@ def _said(message: str) -> None:
 
 
 def _console() -> Console:
-    """Rich console for stdout; wide enough for the tables when stdout is not a terminal."""
-    return Console() if sys.stdout.isatty() else Console(width=120)
+    """Rich console for stdout: the terminal's width, or the width ``COLUMNS`` names; when
+    stdout is not a terminal and ``COLUMNS`` is not set, 120 (wide enough for the tables)."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit():
+        return Console()
+    return Console(width=120)
 
 
 def _parse_tolerances(values: tuple[str, ...]) -> dict[str, float]:
@@ -147,13 +150,13 @@ model_options = [
 
 
 def _inputs_spec(tokens: str | None, inputs_path: str | None, batch: int, seq: int, seed: int):
-    from . import engine
+    from .inputs import InputsFile, RandomTokens
 
     if tokens and inputs_path:
         raise click.UsageError("give --tokens or --inputs, not both")
     if inputs_path:
-        return engine.InputsFile(inputs_path)
-    return tokens or engine.RandomTokens(batch=batch, seq=seq, seed=seed)
+        return InputsFile(inputs_path)
+    return tokens or RandomTokens(batch=batch, seq=seq, seed=seed)
 
 
 def _apply(options: list) -> Callable:
@@ -253,37 +256,39 @@ def diff_command(
     \b
     REFERENCE  CANDIDATE  what runs
     model      model      live diff with full localization
-    dump       model      replay: the candidate runs on the dump's inputs, localized
-                          against the stored reference block by block (fixed thresholds)
+    dump       model      replay: the candidate runs on the dump's inputs,
+                          localized against the stored reference block by block
     dump       dump       offline: drift at every site only
-    model      .onnx      ONNX Runtime candidate, localized with sub-graph experiments
-                          (a graph exported by torch.onnx.export(..., dynamo=True) on
-                          inputs shaped like --batch/--seq; README "Other runtimes")
+    model      .onnx      ONNX Runtime candidate, localized with sub-graph
+                          experiments (a graph exported by torch.onnx.export(...,
+                          dynamo=True) on inputs shaped like --batch/--seq;
+                          docs/runtimes.md)
 
     A sharded CANDIDATE (tensor, sequence, expert or pipeline parallel) runs under a
-    launcher: every rank runs blockdiff, rank 0 reports (README "Sharded candidates").
+    launcher: every rank runs blockdiff, rank 0 reports (docs/sharded.md).
 
     Exit code 0: no divergence; 1: divergence; 2: usage or input error.
 
     \b
     Examples:
       blockdiff diff samples/tinylm.py:build samples/bugs.py:residual_dropped
-      blockdiff diff samples/tinylm.py:build --cand-dtype bfloat16 --json report.json
+      blockdiff diff samples/tinylm.py:build --cand-dtype bfloat16 --json r.json
       blockdiff diff mypkg.models:reference mypkg.models:fused --tol ffn=0.02
-      blockdiff diff samples/tinylm.py:build --ref-device cpu --cand-device cuda --cand-dtype bfloat16
-      blockdiff diff samples/tinylm.py:build_moe samples/bugs.py:moe_expert_off_by_one --capacity-factor 1.5
+      blockdiff diff samples/tinylm.py:build --cand-device cuda \\
+        --cand-dtype bfloat16
+      blockdiff diff samples/tinylm.py:build_moe \\
+        samples/bugs.py:moe_expert_off_by_one --capacity-factor 1.5
       blockdiff diff ref.h5 samples/bugs.py:gelu_for_silu --cand-dtype bfloat16
       blockdiff diff ref.h5 cand.h5
       blockdiff diff samples/tinylm.py:build tinylm.onnx --batch 2 --seq 16
-      blockdiff diff samples/tinylm.py:build samples/bugs.py:post_norm --plot bug.png --html bug.html
-      torchrun --nproc-per-node 2 -m blockdiff diff samples/hf_llama.py:build samples/sharded.py:llama_tp
+      blockdiff diff samples/tinylm.py:build samples/bugs.py:post_norm \\
+        --plot bug.png --html bug.html
+      torchrun --nproc-per-node 2 -m blockdiff diff \\
+        samples/hf_llama.py:build samples/sharded.py:llama_tp
     """
-    from functools import partial
-
     from . import engine, hookmap
     from .dtypes import parse_dtype
-    from .loading import build_model, is_dump, parse_device
-    from .onnxside import is_onnx
+    from .loading import parse_device
     from .tolerance import Tolerance
 
     overrides = _parse_tolerances(tols)
@@ -301,19 +306,12 @@ def diff_command(
     c_device = parse_device(cand_device) if cand_device else r_device
     c_dtype = parse_dtype(cand_dtype) if cand_dtype else r_dtype
 
-    def side(spec: str | None, device, dtype):
-        if spec is None or is_dump(spec) or is_onnx(spec):
-            return spec
-        return partial(build_model, spec, device=device, dtype=dtype)
-
     # --save-dumps writes these two; the ones there already are replaced, and said so.
     kept = [os.path.join(save_dumps, f"{name}.h5") for name in ("reference", "candidate")] if save_dumps else []
     replaced = {path for path in kept if os.path.exists(path)}
-    # A missing CANDIDATE builds the reference's spec again, in the candidate's device and dtype.
-    cand_spec = candidate if candidate is not None or is_dump(reference) else reference
     report = engine.run(
-        side(reference, r_device, r_dtype),
-        side(cand_spec, c_device, c_dtype),
+        reference,
+        candidate,
         _inputs_spec(tokens, inputs_path, batch, seq, seed),
         options=engine.Options(
             tolerance=Tolerance(policy=policy, overrides=overrides),
@@ -326,6 +324,8 @@ def diff_command(
             stream=stream,
             rank=rank is not None,
             baseline_dtype=parse_dtype(baseline_dtype) if baseline_dtype else None,
+            devices=(r_device, c_device),
+            dtypes=(r_dtype, c_dtype),
         ),
     )
     _stop_progress()
@@ -468,26 +468,25 @@ def capture_command(
     \b
     Examples:
       blockdiff capture samples/tinylm.py:build --out ref.h5
-      blockdiff capture mypkg.models:build --device cuda --dtype bfloat16 --out gpu.h5 --compress lzf
-      blockdiff capture samples/tinylm.py:build --out golden.h5 --floors bfloat16,float16
+      blockdiff capture mypkg.models:build --device cuda --dtype bfloat16 \\
+        --out gpu.h5 --compress lzf
+      blockdiff capture samples/tinylm.py:build --out golden.h5 \\
+        --floors bfloat16,float16
       blockdiff diff golden.h5 samples/bugs.py:gelu_for_silu --cand-dtype bfloat16
     """
     from . import engine, hookmap
     from .dtypes import parse_dtype
-    from .loading import build_model, parse_device
+    from .loading import parse_device, parse_precision
 
     r_device, r_dtype = parse_device(device), parse_dtype(dtype)
-    precisions = []
-    for entry in (floors or "").split(","):
-        if entry.strip():
-            name, _, at = entry.strip().partition("@")
-            precisions.append((parse_dtype(name), parse_device(at) if at else r_device))
-    hook_map = hookmap.load(hooks_path) if hooks_path else None
-    built = build_model(model, device=r_device, dtype=r_dtype)
-    ids, made = engine.inputs_for(built, hook_map, _inputs_spec(tokens, inputs_path, batch, seq, seed))
+    precisions = [parse_precision(entry, r_device) for entry in (floors or "").split(",") if entry.strip()]
+    made = engine.capture(
+        model, _inputs_spec(tokens, inputs_path, batch, seq, seed), out,
+        hooks=hookmap.load(hooks_path) if hooks_path else None, compress=compress, label=model, floors=precisions,
+        durable=durable, device=r_device, dtype=r_dtype,
+    )
     if made is not None:
         click.echo(f"inputs: {made}", err=True)
-    engine.capture(built, ids, out, hooks=hook_map, compress=compress, label=model, floors=precisions, durable=durable)
     click.echo(f"wrote {out}")
 
 
@@ -559,15 +558,14 @@ def arch_command(model: str, hooks_path: str | None, as_json: bool) -> None:
       blockdiff arch mypkg.models:build --hooks my_map.toml --json
     """
     import json
-
-    import torch
+    from contextlib import ExitStack
 
     from . import hookmap
-    from .loading import build_model
     from .render import render_layout
+    from .sides.factory import open_side
 
-    built = build_model(model, device=torch.device("cpu"), dtype=torch.float32)
-    layout = hookmap.resolve(built, hookmap.load(hooks_path) if hooks_path else None)
+    with ExitStack() as opened:
+        layout = open_side("reference", model, opened=opened, hooks=hookmap.load(hooks_path) if hooks_path else None).layout
     if as_json:
         click.echo(json.dumps(layout.to_dict(), indent=2))
     else:

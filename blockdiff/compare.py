@@ -265,3 +265,45 @@ def _from_sums(
         cosine = 1.0 if norm_r == norm_c else 0.0
     sqnr_db = math.inf if norm_d == 0 else (20 * math.log10(norm_r / norm_d) if norm_r > 0 else -math.inf)
     return Metrics(rel_l2, max_abs, cosine, sqnr_db, nonfinite_ref, nonfinite_cand, mismatched, numel, norm_d)
+
+
+_SAME_SIZE_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """A dense tensor's bytes as 64-bit words (a view), for comparing bits: a third of the
+    time of comparing 16-bit elements (2 ms against 5 for bfloat16 logits); ``None`` when
+    they are not whole aligned words in one block of memory."""
+    size = t.element_size()
+    if t.is_quantized or not t.is_contiguous() or not t.numel() or (t.numel() * size) % 8 or (t.storage_offset() * size) % 8:
+        return None
+    return t.reshape(-1).view(torch.uint8).view(torch.int64)
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two sets of activations are the same bit for bit: names, dtypes, shapes,
+    devices and every bit (NaN payloads and signed zeros included).
+
+    A module experiment feeds the candidate's module the reference's activations with the
+    candidate's own other arguments. When those activations are the ones the candidate's
+    module received in its own forward, the experiment is that call again, and its
+    recorded output is the answer: until the first difference (a same-dtype port, a fused
+    kernel in one place) no module is run a second time.
+    """
+    if not a or a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device or x.is_complex():
+            return False
+        words = _words(x), _words(y)
+        if words[0] is not None and words[1] is not None:
+            x, y = words
+        elif x.is_floating_point():
+            if x.element_size() not in _SAME_SIZE_INTS:
+                return False
+            ints = _SAME_SIZE_INTS[x.element_size()]
+            x, y = x.view(ints), y.view(ints)
+        if not torch.equal(x, y):
+            return False
+    return True

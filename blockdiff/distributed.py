@@ -195,7 +195,7 @@ def _cpu_group() -> Any:
     return _groups["cpu"]
 
 
-def _group_for(t: torch.Tensor) -> Any:
+def group_for(t: torch.Tensor) -> Any:
     return _cpu_group() if t.device.type == "cpu" else None
 
 
@@ -235,7 +235,7 @@ def gathered(t: torch.Tensor, dim: int) -> torch.Tensor:
     import torch.distributed as dist
 
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous(), group=_group_for(t))
+    dist.all_gather(parts, t.contiguous(), group=group_for(t))
     return torch.cat(parts, dim=dim)
 
 
@@ -309,68 +309,6 @@ def every_rank(obj: Any) -> list[Any]:
     found: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(found, obj, group=_cpu_group())
     return found
-
-
-def every_rank_sites(sites: list[Any]) -> list[Any]:
-    """The sites every rank recorded (a pipeline: each rank ran some modules), on every
-    rank: in rank order, which is the order stages run; numbered again in that order; a
-    site two ranks recorded (a context module every stage runs) kept once, from the first.
-    This rank keeps its own sites as they are; another rank's arrive without the objects
-    its calls held by reference (:class:`~blockdiff.site.Opaque` values), which only that
-    rank could replay."""
-    import dataclasses
-
-    from .site import Opaque, map_opaque
-
-    def portable(obj: Any) -> Any:  # the markers without the objects they hold
-        return map_opaque(obj, lambda marker: Opaque(marker.type_name, None, cache=marker.cache))
-
-    sent = [dataclasses.replace(s, args=portable(s.args), kwargs=portable(s.kwargs), output=portable(s.output)) for s in sites]
-    me, found, seen = rank(), [], set()
-    for source, theirs in enumerate(every_rank(sent)):
-        for site in sites if source == me else theirs:
-            key = (site.stage, site.block, site.subpath, site.module, site.call)
-            if key in seen:
-                continue
-            seen.add(key)
-            found.append(dataclasses.replace(site, order=len(found)))
-    return found
-
-
-# -- replicas -----------------------------------------------------------------------------
-
-
-def _digest(t: torch.Tensor | None) -> str:
-    if t is None:
-        return ""
-    data = t.detach().contiguous().cpu()
-    # The tensor's own bytes, read in place (no copy of the activation).
-    return hashlib.blake2b(data.view(torch.uint8).numpy() if data.numel() else b"", digest_size=16).hexdigest()
-
-
-def replica_disagreement(sites: list[Any], *, dtype: torch.dtype | None = None) -> tuple[Any, list[int], Metrics] | None:
-    """The first of ``sites`` (in the order they ran) whose output is not the same bits on
-    every rank: (site, the ranks that differ from rank 0, the worst of their metrics
-    against rank 0's). ``None`` when every replica agrees. Collective: every rank passes
-    the same sites (its own record of them)."""
-    import torch.distributed as dist
-
-    from .pairing import output_position
-
-    ordered = sorted(sites, key=output_position)
-    mine = [_digest(s.primary_output()) for s in ordered]
-    every = every_rank(mine)
-    for index, site in enumerate(ordered):
-        digests = [found[index] for found in every]
-        if len(set(digests)) == 1:
-            continue
-        ranks = [r for r, d in enumerate(digests) if d != digests[0]]
-        out = site.primary_output()
-        parts = [torch.empty_like(out) for _ in every]
-        dist.all_gather(parts, out.contiguous(), group=_group_for(out))
-        worst_found = max((metrics(parts[0], parts[r], dtype=dtype) for r in ranks), key=lambda m: m.rel_l2)
-        return site, ranks, worst_found
-    return None
 
 
 # -- stopping together --------------------------------------------------------------------

@@ -2,12 +2,13 @@
 
 A script in another framework runs the same model on the reference's inputs and writes
 what each of the reference's sites computed, site by site, into a dump of the documented
-format (``docs/dump-format.md``, schema 3). ``blockdiff diff ref.h5 foreign.h5`` then
-compares it offline: drift at every site, against the drift floors the reference stored
-(``blockdiff capture --floors``) when there are some for the candidate's precision, and
-says where the candidate first diverges.
+format (``docs/dump-format.md``, schema 4: the same file :class:`~blockdiff.dump.DumpWriter`
+writes, through the same code, :mod:`blockdiff.dump.packing`). ``blockdiff diff ref.h5
+foreign.h5`` then compares it offline: drift at every site, against the drift floors the
+reference stored (``blockdiff capture --floors``) when there are some for the candidate's
+precision, and says where the candidate first diverges.
 
-Only numpy, h5py and google-crc32c (the dump's own dependencies) are imported: no torch.
+Only numpy, h5py and crc32c (the dump's own dependencies) are imported: no torch.
 Site names come from the reference dump (:func:`reference_sites`), inputs too
 (:func:`reference_inputs`), so the foreign script needs nothing but the reference's file:
 
@@ -39,27 +40,21 @@ import numpy as np
 
 from .dump.format import (
     FORMAT,
-    LIBVER,
     NUMPY_NATIVE_NAMES,
     RAW_BITS_UNSIGNED,
+    SCHEMA_VERSION,
     STANDARD_ATTRIBUTES,
-    _attr,
-    _encode_meta,
-    _Object,
-    _set_attr,
-    file_attributes,
-    finish_file,
+    attr,
+    encode_meta,
     read_index,
     read_packed,
-    site_record,
-    write_array,
 )
+from .dump.packing import PackedFile, StoredTensor, elements, encode_index, one_line, site_record, temporary_path
 from .errors import DumpError
 
-# The layout this module writes: schema 3 of docs/dump-format.md. Pinned, not the
-# package's newest schema: a reader reads every older schema, and this writer's layout
-# does not change when the native writer's does.
-WRITES_SCHEMA = 3
+# The schema this module writes: the native writer's, whose file code it shares (a reader
+# reads every older schema too, foreign dumps of schema 3 included).
+WRITES_SCHEMA = SCHEMA_VERSION
 # Dtypes stored as raw bits, by the name numpy (ml_dtypes) and torch both give them.
 _RAW_BITS_NAMES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
@@ -99,7 +94,7 @@ def _open_reference(path: str | os.PathLike) -> h5py.File:
     except OSError as exc:
         raise DumpError(f"{path} cannot be opened as HDF5: {exc}", path=str(path)) from exc
     try:
-        found = _attr(f, "format") if "format" in f.attrs else None
+        found = attr(f, "format") if "format" in f.attrs else None
     except (ValueError, OSError):
         found = None
     if found != FORMAT or ("sites" not in f and "index" not in f):
@@ -135,11 +130,11 @@ def reference_sites(path: str | os.PathLike) -> list[ReferenceSite]:
                 found.append(_reference_site(record, shapes))
         else:  # a group per site
             for group in f["sites"].values():
-                structure = json.loads(_attr(group, "structure"))
+                structure = json.loads(attr(group, "structure"))
                 shapes = tuple(
-                    tuple(json.loads(_attr(group[ref], "shape"))) for ref in _tensor_refs(structure["output"])
+                    tuple(json.loads(attr(group[ref], "shape"))) for ref in _tensor_refs(structure["output"])
                 )
-                found.append(_reference_site({key: _attr(group, key) for key in group.attrs}, shapes))
+                found.append(_reference_site({key: attr(group, key) for key in group.attrs}, shapes))
     return sorted(found, key=lambda s: s.order)
 
 
@@ -152,7 +147,7 @@ def _reference_site(record: dict[str, Any], shapes: tuple) -> ReferenceSite:
 def reference_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The reference dump's file attributes (its JSON ones parsed: ``layout``, ``versions``)."""
     with _open_reference(path) as f:
-        meta = {name: _attr(f, name) for name in f.attrs}
+        meta = {name: attr(f, name) for name in f.attrs}
     for key in json.loads(meta.get("json_attributes", "[]")):
         meta[key] = json.loads(meta[key])
     return meta
@@ -179,9 +174,9 @@ def reference_inputs(path: str | os.PathLike) -> Any:
 
         def load_dataset(ref: str) -> np.ndarray:
             dset = group[ref]
-            return dset[()].reshape(json.loads(_attr(dset, "shape")))
+            return dset[()].reshape(json.loads(attr(dset, "shape")))
 
-        return _decode(json.loads(_attr(group, "structure")), load_dataset)
+        return _decode(json.loads(attr(group, "structure")), load_dataset)
 
 
 def _decode(node: dict[str, Any], load: Any) -> Any:
@@ -202,8 +197,9 @@ def _decode(node: dict[str, Any], load: Any) -> Any:
     return None  # none, and what only torch knows (dtype, device, opaque)
 
 
-def _stored(arr: np.ndarray) -> tuple[np.ndarray, str]:
-    """An array as a dump stores it, and the torch dtype name it stands for."""
+def _stored(arr: np.ndarray) -> StoredTensor:
+    """An array as a dump stores it (its elements, or their raw bits, 1-D and little-endian),
+    with the torch dtype name it stands for."""
     name = arr.dtype.name
     if name in NUMPY_NATIVE_NAMES:
         stored = arr
@@ -214,17 +210,19 @@ def _stored(arr: np.ndarray) -> tuple[np.ndarray, str]:
             f"cannot store a {name} array: a dump holds {', '.join(NUMPY_NATIVE_NAMES)} and, as raw bits, "
             f"{', '.join(_RAW_BITS_NAMES)} (ml_dtypes)"
         )
-    # C order, little-endian; a 0-dim array as (1,): HDF5 cannot chunk a scalar dataset.
-    stored = np.ascontiguousarray(stored, dtype=stored.dtype.newbyteorder("<"))
-    return (stored.reshape(1) if stored.ndim == 0 else stored), name
+    return StoredTensor(elements(stored), name, list(arr.shape))
 
 
 class _Structure:
-    """Writes the arrays of one structure as datasets ``t0``, ``t1``, ... of a group."""
+    """Encodes one structure into JSON nodes; its arrays become tensors of the index
+    (``{"type": "tensor", "ref": N}``, N their position in the index's ``tensors``, the
+    first of them ``first``). An array passed twice is stored once."""
 
-    def __init__(self, group: h5py.Group, path: str, objects: dict[str, _Object]) -> None:
-        self.group, self.path, self.objects = group, path, objects
-        self.count = 0
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.tensors: list[StoredTensor] = []
+        self._refs: dict[int, int] = {}  # id of an object of the structure (alive as long as it) -> ref
+        # Of each array in the order the structure mentions them, repeated ones again.
         self.shapes: list[tuple[int, ...]] = []
         self.dtypes: list[str] = []
 
@@ -243,16 +241,18 @@ class _Structure:
             return {"type": "tuple" if isinstance(obj, tuple) else "list", "items": [self.node(v) for v in obj]}
         if isinstance(obj, dict):
             return {"type": "dict", "items": [[self.node(k), self.node(v)] for k, v in obj.items()]}
-        return {"type": "tensor", "ref": self.array(np.asarray(obj))}
+        return {"type": "tensor", "ref": self.array(obj)}
 
-    def array(self, arr: np.ndarray) -> str:
-        name = f"t{self.count}"
-        self.count += 1
-        stored, dtype = _stored(arr)
-        self.objects[f"{self.path}/{name}"] = write_array(self.group, name, stored, dtype, list(arr.shape))
-        self.shapes.append(tuple(arr.shape))
-        self.dtypes.append(dtype)
-        return name
+    def array(self, obj: Any) -> int:
+        ref = self._refs.get(id(obj))
+        if ref is None:
+            tensor = _stored(np.asarray(obj))
+            ref = self._refs[id(obj)] = self.first + len(self.tensors)
+            self.tensors.append(tensor)
+        entry = self.tensors[ref - self.first].entry
+        self.shapes.append(tuple(entry["shape"]))
+        self.dtypes.append(entry["dtype"])
+        return ref
 
 
 class ForeignDumpWriter:
@@ -263,7 +263,9 @@ class ForeignDumpWriter:
     computed there; the site's stage, block, sub-path and ordering come from the
     reference, and so do the hook map and layout the file records. The file is written
     under a temporary name and renamed on a clean :meth:`close`, which checks that every
-    reference site was written.
+    reference site was written. Each call's arrays are written (and their checksums
+    taken) before it returns: the writer keeps no reference to them, so a runtime may
+    reuse its buffers.
 
     Args:
         path: where the dump goes (replaced if it exists).
@@ -306,19 +308,14 @@ class ForeignDumpWriter:
             **(meta or {}),
         }
         self.dtype = dtype
-        for key in self.meta:
-            if key in STANDARD_ATTRIBUTES or key == "dtype":
-                raise DumpError(f"{self.path}: meta key {key!r} is set by the writer", path=str(self.path))
-            _encode_meta(key, self.meta[key])
         self.written: set[tuple[str, int]] = set()
-        self._objects: dict[str, _Object] = {}
-        self.tmp_path = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        try:
-            self._file: h5py.File | None = h5py.File(self.tmp_path, "w", libver=LIBVER)
-        except OSError as exc:
-            raise DumpError(f"{self.path}: cannot create the dump: {exc}", path=str(self.path)) from exc
-        self._sites = self._file.create_group("sites")
-        self._objects["sites"] = _Object("group", {})
+        self.tmp_path = temporary_path(self.path)
+        # The index, built as sites are added: tensor entries, site records, the inputs.
+        self._tensors: list[dict[str, Any]] = []
+        self._sites: list[dict[str, Any]] = []
+        self._structures: dict[str, Any] = {}
+        # No torch wrote it (``torch_version`` ""); ``runtime`` says what did.
+        self._file: PackedFile | None = PackedFile(self.path, torch_version="", meta=self._encoded_meta(), durable=durable)
 
     def sites(self) -> list[ReferenceSite]:
         """The reference's sites, in execution order; :attr:`written` says which are done."""
@@ -334,35 +331,25 @@ class ForeignDumpWriter:
             call: which call of ``module`` within the forward (modules called once: 0).
             args: the call's inputs, optional (the comparison judges outputs).
         """
-        f = self._open()
+        self._open()
         site = self.expected.get((module, call))
         if site is None:
             near = ", ".join(sorted({m for m, _ in self.expected})[:8])
             raise DumpError(f"{self.path}: {module!r} (call {call}) is not a site of {self.reference} (sites: {near}, ...)")
         if (module, call) in self.written:
             raise DumpError(f"{self.path}: {site.label} was already written")
-        name = f"{len(self.written):06d}"
-        path = f"sites/{name}"
-        group = f["sites"].create_group(name)
-        try:
-            attrs = {key: _set_attr(group, key, value) for key, value in site_record(site).items()}
-            structure = _Structure(group, path, self._objects)
-            nodes = {"args": structure.node(tuple(args)), "kwargs": {"type": "dict", "items": []}}
-            arguments = len(structure.shapes)
-            nodes["output"] = structure.node(output)
-            shapes = tuple(structure.shapes[arguments:])
-            if shapes != site.outputs:
-                raise DumpError(
-                    f"{self.path}: {site.label}: output has shape{'s' if len(shapes) != 1 else ''} "
-                    f"{_shapes(shapes)}, the reference's {_shapes(site.outputs)}"
-                )
-            attrs["structure"] = _set_attr(group, "structure", json.dumps(nodes))
-        except BaseException:
-            del f["sites"][name]
-            for key in [k for k in self._objects if k == path or k.startswith(path + "/")]:
-                del self._objects[key]
-            raise
-        self._objects[path] = _Object("group", attrs)
+        structure = _Structure(len(self._tensors))
+        nodes = {"args": structure.node(tuple(args)), "kwargs": {"type": "dict", "items": []}}
+        arguments = len(structure.shapes)
+        nodes["output"] = structure.node(output)
+        shapes = tuple(structure.shapes[arguments:])
+        if shapes != site.outputs:
+            raise DumpError(
+                f"{self.path}: {site.label}: output has shape{'s' if len(shapes) != 1 else ''} "
+                f"{_shapes(shapes)}, the reference's {_shapes(site.outputs)}"
+            )
+        self._write(structure.tensors, site.label)
+        self._sites.append({**site_record(site), "structure": nodes})
         self.written.add((module, call))
         if self.dtype is None:
             self.dtype = next((d for d in structure.dtypes[arguments:] if "float" in d), None)
@@ -370,24 +357,24 @@ class ForeignDumpWriter:
     def add_inputs(self, inputs: Any) -> None:
         """Record the model inputs the runtime ran on (what :func:`reference_inputs` gave):
         the comparison refuses a dump captured on other inputs."""
-        f = self._open()
-        if "inputs" in f:
+        self._open()
+        if "inputs" in self._structures:
             raise DumpError(f"{self.path}: the inputs were already recorded")
-        group = f.create_group("inputs")
-        attrs: dict[str, Any] = {}
-        structure = _Structure(group, "inputs", self._objects)
-        attrs["structure"] = _set_attr(group, "structure", json.dumps(structure.node(inputs)))
-        self._objects["inputs"] = _Object("group", attrs)
+        structure = _Structure(len(self._tensors))
+        node = structure.node(inputs)
+        self._write(structure.tensors, "the inputs")
+        self._structures["inputs"] = node
 
     def missing(self) -> list[ReferenceSite]:
         """The reference's sites not written yet, in execution order."""
         return [s for s in self.sites() if (s.module, s.call) not in self.written]
 
     def close(self) -> None:
-        """Check every site was written, write the file attributes, the metadata digest and
-        ``complete`` last, and rename the file to its path. Missing sites: a
-        :class:`~blockdiff.errors.DumpError` naming them, and no file."""
-        f = self._open()
+        """Check every site was written, write the index, the file attributes, the
+        metadata digest and ``complete`` last, and rename the file to its path. Missing
+        sites: a :class:`~blockdiff.errors.DumpError` naming them, and no file."""
+        file = self._open()
+        self._file = None
         try:
             missing = self.missing()
             if missing:
@@ -398,29 +385,45 @@ class ForeignDumpWriter:
                     "(the comparison pairs every site; write each, see reference_sites())",
                     path=str(self.path),
                 )
-            root = file_attributes(WRITES_SCHEMA, torch_version="")  # no torch wrote it; `runtime` says what did
-            json_keys = []
-            for key, value in {**self.meta, "dtype": self.dtype or "float32"}.items():
-                root[key], is_json = _encode_meta(key, value)
-                if is_json:
-                    json_keys.append(key)
-            root["json_attributes"] = json.dumps(json_keys)
-            stored = {key: _set_attr(f, key, value) for key, value in root.items()}
-            self._file = None
-            finish_file(f, stored, self._objects, self.tmp_path, self.path, durable=self.durable)
+            file.write_meta(self._encoded_meta())  # the dtype, now that the outputs say it
+            file.finish(encode_index(self._tensors, self._sites, self._structures))
         except BaseException:
-            self.abort()
+            file.abort()
             raise
 
     def abort(self) -> None:
         """Discard the dump: nothing is left at ``path``, nor the temporary file."""
-        f, self._file = self._file, None
-        if f is not None:
-            f.close()
-        if self.tmp_path.exists():
-            os.remove(self.tmp_path)
+        file, self._file = self._file, None
+        if file is not None:
+            file.abort()
 
-    def _open(self) -> h5py.File:
+    def _write(self, tensors: list[StoredTensor], what: str) -> None:
+        """The tensors of one call, written at once, with their checksums, into the index.
+        A failed write discards the dump (its datasets no longer match any index)."""
+        file = self._open()
+        try:
+            for tensor in tensors:
+                tensor.take_checksum()
+            for name, items in file.place(tensors):
+                file.write(name, items)
+        except Exception as exc:
+            self.abort()
+            raise DumpError(
+                f"{self.path}: cannot write {what}: {type(exc).__name__}: {one_line(exc)} (the dump was discarded)",
+                path=str(self.path),
+            ) from exc
+        self._tensors.extend(t.entry for t in tensors)
+
+    def _encoded_meta(self) -> list[tuple[str, Any, bool]]:
+        """Every file attribute the caller's side decides, as stored, ``(key, value,
+        is_json)``: the meta, and the dtype (the default until an output says it)."""
+        for key in self.meta:
+            if key in STANDARD_ATTRIBUTES or key == "dtype":
+                raise DumpError(f"{self.path}: meta key {key!r} is set by the writer", path=str(self.path))
+        meta = {**self.meta, "dtype": self.dtype or "float32"}
+        return [(key, *encode_meta(key, value)) for key, value in meta.items()]
+
+    def _open(self) -> PackedFile:
         if self._file is None:
             raise DumpError(f"{self.path}: the writer is closed", path=str(self.path))
         return self._file

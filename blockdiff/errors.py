@@ -17,6 +17,10 @@ Hierarchy::
 
 from __future__ import annotations
 
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
 __all__ = [
     "BlockdiffError",
     "ModelSpecError",
@@ -26,6 +30,7 @@ __all__ = [
     "PairingError",
     "ShapeMismatchError",
     "DumpError",
+    "run_model_code",
 ]
 
 
@@ -86,3 +91,15 @@ class DumpError(BlockdiffError):
         super().__init__(message)
         self.path = path
         self.site = site
+
+
+def run_model_code(side: str, fn: "Callable[..., T]", *args: Any, **kwargs: Any) -> "T":
+    """``fn(*args, **kwargs)``; an exception raised by model code (anything but a
+    :class:`BlockdiffError`) becomes a :class:`ModelRunError` naming the side, with the
+    original as its ``__cause__``."""
+    try:
+        return fn(*args, **kwargs)
+    except BlockdiffError:
+        raise
+    except Exception as exc:
+        raise ModelRunError(f"the {side} model raised {type(exc).__name__}: {exc}", side=side) from exc

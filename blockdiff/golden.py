@@ -31,7 +31,7 @@ __all__ = [
     "assert_matches_golden",
     "obtained_path",
     "inputs_digest",
-    "inputs_match",
+    "check_inputs_match",
     "precisions",
     "replay",
     "still_holds",
@@ -67,12 +67,16 @@ def inputs_digest(golden: str | Path) -> str | None:
     return None if value is None else str(value)
 
 
-def inputs_match(golden: str | Path, inputs: Inputs) -> tuple[str | None, str]:
-    """(the golden's inputs digest, the digest of ``inputs``): equal when the golden was
-    captured on these inputs."""
-    from .inputs import check_inputs, digest
+def check_inputs_match(golden: str | Path, inputs: Inputs, *, shown: str | None = None, todo: str) -> None:
+    """``inputs`` must be the ones ``golden`` was captured on (the one digest rule,
+    :func:`~blockdiff.inputs.check_captured_on`); ``shown``: how the message names it.
 
-    return inputs_digest(golden), digest(check_inputs(inputs))
+    Raises:
+        InputError: other inputs; the message ends with ``todo``.
+    """
+    from .inputs import check_captured_on
+
+    check_captured_on(inputs_digest(golden), inputs, what=shown or str(golden), todo=todo)
 
 
 def replay(
@@ -87,16 +91,10 @@ def replay(
 def precisions(floors: Sequence[str], model: nn.Module) -> list[tuple[Any, Any]]:
     """``["bfloat16", "float16@cuda"]`` as (dtype, device) pairs; the device defaults to
     the model's."""
-    from .dtypes import parse_dtype
     from .inputs import model_device
+    from .loading import parse_precision
 
-    import torch
-
-    found = []
-    for entry in floors:
-        name, _, device = str(entry).partition("@")
-        found.append((parse_dtype(name), torch.device(device) if device else model_device(model)))
-    return found
+    return [parse_precision(str(entry), model_device(model)) for entry in floors]
 
 
 def _labels(floors: Sequence[str], model: nn.Module) -> set[str]:
@@ -143,8 +141,8 @@ def still_holds(
         with DumpReader(golden) as dump:
             if not _labels(floors, model) <= set(dump.floors()):
                 return False
-        stored, given = inputs_match(golden, inputs)
-        return stored == given and not replay(golden, model, tolerance=tolerance, hooks=hooks, fast_path=fast_path).diverged
+        check_inputs_match(golden, inputs, todo="")
+        return not replay(golden, model, tolerance=tolerance, hooks=hooks, fast_path=fast_path).diverged
     except BlockdiffError:
         return False
 
@@ -196,12 +194,7 @@ def assert_matches_golden(
     golden = Path(golden)
     tolerance = tolerance_from(tolerances)
     if verify_inputs:
-        stored, given = inputs_match(golden, inputs)
-        if stored != given:
-            raise InputError(
-                f"{golden} was captured on other inputs (digest {stored}) than these (digest {given}); "
-                "capture it again on these inputs"
-            )
+        check_inputs_match(golden, inputs, todo="capture it again on these inputs")
     report = replay(golden, model, tolerance=tolerance, hooks=hooks, fast_path=fast_path)
     if report.first_divergence is None:
         return report

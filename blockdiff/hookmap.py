@@ -1,10 +1,11 @@
 """Hook maps: where a model keeps its embedding, its blocks and each block's sub-paths.
 
 A hook map is data (TOML, bundled in ``hooks/`` or given by the user with ``--hooks``).
-:func:`resolve` matches one to a model and checks every module it names exists, giving a
-:class:`Layout`: the concrete module paths, per block, of each sub-path. Capture and
+:func:`apply_map` applies one to a model and checks every module it names exists, giving
+a :class:`Layout`: the concrete module paths, per block, of each sub-path. Capture and
 localization work from the layout only. The format is documented in ``docs/hook-maps.md``.
-A model no map matches is mapped by :mod:`.autodetect`.
+:func:`~blockdiff.autodetect.resolve` finds the map of a model (the bundled one its class
+matches, else a guess: :mod:`.autodetect`).
 
 >>> layout = resolve(model)                                  # doctest: +SKIP
 >>> layout.blocks[0].subpaths["attention"]                   # doctest: +SKIP
@@ -386,26 +387,13 @@ def find(model: nn.Module) -> HookMap:
     )
 
 
-def resolve(model: nn.Module, hook_map: HookMap | None = None) -> Layout:
-    """Apply a hook map to ``model``: every module it names must exist.
-
-    Args:
-        model: the model to map.
-        hook_map: the map to use; when ``None``, the bundled map matching the model's
-            class name, or else one guessed by :func:`~blockdiff.autodetect.detect`
-            (``source`` says so).
+def apply_map(model: nn.Module, hook_map: HookMap) -> Layout:
+    """Apply a hook map to ``model``: every module it names must exist. (With no map,
+    :func:`~blockdiff.autodetect.resolve` finds one, or guesses it.)
 
     Raises:
-        HookMapError: a named module does not exist, the block list is not a list, or no
-            map was given, none matches and the anatomy cannot be guessed.
+        HookMapError: a named module does not exist, or the block list is not a list.
     """
-    if hook_map is None:
-        try:
-            hook_map = find(model)
-        except HookMapError:
-            from .autodetect import detect  # here: autodetect imports this module
-
-            hook_map = detect(model)
     modules = dict(model.named_modules())
     # Maps name modules as written, without torch.compile's wrappers: a path is looked up
     # with every `_orig_mod` step taken out, and stands for the outermost module there

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,23 @@ from .errors import InputError
 from .site import iter_tensors, map_structure
 
 Inputs = Any  # torch.Tensor | tuple | dict
+
+
+
+@dataclass(frozen=True)
+class RandomTokens:
+    """Random token ids within the reference's vocabulary (the CLI's ``--batch/--seq/--seed``)."""
+
+    batch: int = 2
+    seq: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class InputsFile:
+    """Named model inputs from a file (the CLI's ``--inputs``): see :func:`load_inputs`."""
+
+    path: str | Path
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -264,3 +282,17 @@ def digest(inputs: Inputs) -> str:
         h.update(f"{t.dtype}{list(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
+
+
+def check_captured_on(stored: str | None, inputs: Inputs, *, what: str, todo: str) -> None:
+    """The one input-digest rule: ``inputs`` must be the ones ``what`` (a dump, a golden)
+    was captured on, whose digest is ``stored`` (``None``: it recorded none, nothing to
+    check).
+
+    Raises:
+        InputError: ``{what} was captured on other inputs (digest …) than these (digest …);
+            {todo}``.
+    """
+    given = digest(check_inputs(inputs))
+    if stored is not None and stored != given:
+        raise InputError(f"{what} was captured on other inputs (digest {stored}) than these (digest {given}); {todo}")

@@ -54,6 +54,15 @@ def parse_device(name: str) -> torch.device:
     return device
 
 
+def parse_precision(text: str, default: torch.device) -> tuple[torch.dtype, torch.device]:
+    """``DTYPE[@DEVICE]`` (``bfloat16``, ``float16@cuda:0``) as (dtype, device): how stored
+    floors and baselines name a precision; the device defaults to ``default``."""
+    from .dtypes import parse_dtype
+
+    name, _, at = text.strip().partition("@")
+    return parse_dtype(name), parse_device(at) if at else default
+
+
 def load_factory(spec: str) -> Callable[[], nn.Module]:
     """The factory a spec names.
 
@@ -245,12 +254,14 @@ def _import_file(path: Path, spec: str):
         ) from exc
 
 
-def build_model(spec: str, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Call the spec's factory and place the model on ``device`` in ``dtype``, eval mode
-    (an ONNX Runtime model, :class:`~blockdiff.onnxside.OnnxModel`, comes back as it is).
+def build_model(spec: str, *, device: torch.device, dtype: torch.dtype) -> object:
+    """Call the spec's factory and place what it returns on ``device`` in ``dtype``, eval
+    mode, when it is an ``nn.Module``; anything else comes back as it is (an ONNX Runtime
+    model is run as it was exported; :func:`~blockdiff.sides.factory.open_side` says what
+    it accepts).
 
     Raises:
-        ModelSpecError: the factory raised or returned something other than an ``nn.Module``.
+        ModelSpecError: the factory raised.
     """
     factory = load_factory(spec)
     try:
@@ -261,16 +272,8 @@ def build_model(spec: str, *, device: torch.device, dtype: torch.dtype) -> nn.Mo
         raise ModelSpecError(
             f"model spec {spec!r}: the factory raised {type(exc).__name__}: {exc}", spec=spec
         ) from exc
-    from .onnxside import OnnxModel
-
-    if isinstance(model, OnnxModel):
-        return model  # ONNX Runtime runs it as it was exported: nothing to place
     if not isinstance(model, nn.Module):
-        raise ModelSpecError(
-            f"model spec {spec!r}: the factory returned a {type(model).__name__}, expected a torch nn.Module "
-            "(or, for a candidate, a blockdiff.onnxside.OnnxModel)",
-            spec=spec,
-        )
+        return model
     return place(model, device=device, dtype=dtype).eval()
 
 

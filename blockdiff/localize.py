@@ -26,7 +26,8 @@ from .report import BlockResult, Check, StageResult, SubpathResult
 from .sides import Side
 from .compare import Metrics, metrics
 from .site import NotReplayable, Site, SiteKey, describe_key
-from .store import MemoryStore, release_freed_memory
+from .dump.memory import release_freed_memory
+from .store import MemoryStore
 from .tolerance import Tolerance
 from .vocab import EXPERTS, NOT_JUDGED, OFFLINE_DRIFT, reported_subpath
 
@@ -70,6 +71,12 @@ class Localizer:
         self.moe: list[dict[str, Any]] = []  # routing statistics, one entry per MoE block
         self.nonfinite = NonfiniteScan()
         self.notes: list[str] = []  # what could not be judged, and why
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype comparisons are judged in (what a side completing the localization
+        compares in: :class:`~blockdiff.sides.Judging`)."""
+        return self.experiments.dtype
 
     def _here(self, block: int | None, module: str = "") -> bool:
         """Whether this process judges the block or stage (``Side.holds``)."""

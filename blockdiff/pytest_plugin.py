@@ -44,7 +44,7 @@ import pytest
 from . import assertion
 from . import golden as golden_files
 from .assertion import DivergenceError
-from .errors import BlockdiffError
+from .errors import BlockdiffError, InputError
 from .vocab import POLICIES
 
 if TYPE_CHECKING:
@@ -476,14 +476,13 @@ class GoldenFixture:
                 "then commit it with the test",
                 pytrace=False,
             )
-        stored, given = golden_files.inputs_match(golden, inputs)
-        if stored != given:
-            pytest.fail(
-                f"blockdiff: the golden dump {shown} was captured on other inputs (digest {stored}) "
-                f"than this test passes (digest {given})\n"
-                f"if the new inputs are intended, re-run with --blockdiff-update: {update}",
-                pytrace=False,
+        try:
+            golden_files.check_inputs_match(
+                golden, inputs, shown=f"the golden dump {shown}",
+                todo=f"the golden must be updated\nif the new inputs are intended, re-run with --blockdiff-update: {update}",
             )
+        except InputError as exc:
+            pytest.fail(f"blockdiff: {exc}", pytrace=False)
         folder = _artifact_dir(self._item, self._state)
         steps = [f"if the change is intended, re-run with --blockdiff-update: {update}"]
         if folder is not None:

@@ -6,9 +6,12 @@ threshold) with the drift sparkline under it, then the table of local errors (bl
 sub-paths, coloured by ratio to threshold) with drift per block, then what to do next
 (``advice``).
 
-Tables never cut a number: a console too narrow for a table (80 columns) gets it with
-narrower gaps, and a narrower one (60) gets its columns stacked in several tables, each
-repeating the row names (:func:`_fitted`).
+Every line fits the console's width (80 columns and down to 60). Tables never cut a
+number: a console too narrow for a table (80 columns) gets it with narrower gaps, and a
+narrower one (60) gets its columns stacked in several tables, each repeating the row
+names (:func:`_fitted`). Sentences wrap at spaces under a hanging indent, never inside a
+`quoted command` (:func:`_say`); a model path too long for its line loses the middle of
+its directories, never its file name and factory (:func:`shorten`).
 
 It lays out the report's :class:`~.view.View`, which the PNG (:mod:`.plot`) and the HTML
 (:mod:`.html`) read too: what each cell says and its symbol come from there.
@@ -21,6 +24,7 @@ table cells carry a ``!`` when they diverge, so red and green need not be told a
 from __future__ import annotations
 
 import io
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,8 +90,120 @@ def _drift_cell(value: float | None) -> Text:
     return Text(fmt(value))
 
 
+# Breaks no line inside it: the spaces of a `quoted command` and of "(cpu, float32)".
+_NBSP = "\u00a0"
+
+
+def shorten(spec: str, room: int) -> str:
+    """``spec`` (a model path, a dump's path) in at most ``room`` characters: the middle of
+    its directories replaced by ``…``, its file name and factory kept whole. A file name and
+    factory longer than ``room`` are kept all the same, after ``…/``.
+
+    >>> shorten("/tmp/some/very/long/directory/for/a/model/tinylm.py:build", 40)
+    '/tmp/some/very/long/…/tinylm.py:build'
+    >>> shorten("samples/tinylm.py:build", 40), shorten("mypkg.models.very.deep.module:build", 24)
+    ('samples/tinylm.py:build', 'mypkg.….module:build')
+    """
+    if len(spec) <= room:
+        return spec
+    cut = spec.rfind("/")
+    if cut < 0:  # package.module:factory: keep the last module and the factory
+        cut = spec.rfind(".", 0, spec.find(":") if ":" in spec else len(spec))
+    if cut <= 0:
+        return spec
+    head, tail = spec[:cut], spec[cut:]
+    keep = room - len(tail) - 1
+    if keep < 1:
+        return "…" + tail
+    head = head[:keep]
+    separator = tail[0]
+    if separator in head:  # end on a whole directory (or module) name
+        head = head[: head.rindex(separator) + 1]
+    return head + "…" + tail
+
+
+def _lines(text: str, width: int, indent: int) -> list[str]:
+    """``text`` wrapped at spaces into lines of at most ``width``, the second and later
+    indented by ``indent``; a `quoted command` and a word longer than a line stay whole.
+    Lines are balanced: as narrow as they can be in as few lines, so that no word is left
+    alone on the last one."""
+    protected = "`".join(
+        part.replace(" ", _NBSP) if i % 2 else part for i, part in enumerate(text.split("`"))
+    )
+
+    def wrap(paragraph: str, width: int, first: str) -> list[str]:
+        return textwrap.wrap(
+            paragraph, width=width, initial_indent=first, subsequent_indent=" " * indent,
+            break_long_words=False, break_on_hyphens=False,
+        ) or [first.rstrip()]
+
+    width = max(width, indent + 20)
+    lines: list[str] = []
+    for paragraph in protected.split("\n"):  # a line break in the text stays one
+        first = " " * indent if lines else ""
+        wrapped = wrap(paragraph, width, first)
+        narrow = width
+        while len(wrapped) > 1 and narrow > indent + 20:
+            fewer = wrap(paragraph, narrow - 1, first)
+            if len(fewer) > len(wrapped):
+                break
+            wrapped, narrow = fewer, narrow - 1
+        lines += wrapped
+    return [line.replace(_NBSP, " ") for line in lines]
+
+
+def _say(console: Console, head: str, body: str, *, head_style: str | None = None, style: str | None = None,
+         indent: int = 2) -> None:
+    """Print ``head`` + ``body`` (plain text, not markup) wrapped to the console's width
+    (:func:`_lines`), ``head`` in ``head_style``, the whole in ``style``."""
+    for number, line in enumerate(_lines(head + body, console.width, indent)):
+        text = Text(line, style=style or "")
+        if number == 0 and head_style and line.startswith(head):
+            text.stylize(head_style, 0, len(head.rstrip(": ")))
+        console.print(text, highlight=False)
+
+
+def _header(view: View, width: int) -> list[Text]:
+    """Which models ran, on what, and the tolerance policy: one line when it fits, else
+    one line each under aligned labels, a path shortened to fit (:func:`shorten`)."""
+    ref, cand = view.report.reference, view.report.candidate
+
+    def details(meta: dict) -> tuple[str, str]:
+        ranks = f", {meta['ranks']} ranks" if meta.get("ranks") else ""
+        quantized = f"; {meta['quantization']}" if meta.get("quantization") else ""
+        return f"({meta['device']}{ranks}, {meta['dtype']}", f"{quantized})"
+
+    def side(meta: dict) -> str:
+        where, quantized = details(meta)
+        return f"{meta['model']} {where}{quantized}"
+
+    one = f"blockdiff reference {side(ref)} vs candidate {side(cand)}; tolerance {view.tolerance}"
+    if len(one) <= width:
+        lines = [one]
+    else:
+        label = len("blockdiff reference ")
+        lines = []
+        for name, meta in (("reference", ref), ("candidate", cand)):
+            where, quantized = details(meta)
+            where = where.replace(" ", _NBSP)
+            closing = quantized.split(" ")[0] if quantized else ")"  # ")" or "; word"
+            room = width - label - len(where) - len(closing) - 1
+            model = shorten(str(meta["model"]), max(room, 16))
+            lead = ("blockdiff " if name == "reference" else " " * len("blockdiff ")) + name + " "
+            text = f"{lead}{model} {where}{quantized}"
+            lines += [line.replace(_NBSP, " ") for line in _lines(text, width, label)]
+        lines.append(" " * len("blockdiff ") + f"tolerance {view.tolerance}")
+    out = []
+    for line in lines:
+        text = Text(line)
+        if line.startswith("blockdiff "):
+            text.stylize("bold", 0, len("blockdiff"))
+        out.append(text)
+    return out
+
+
 def render(report: Report | dict[str, Any], console: Console | None = None, *, advice: str | None = ADVICE) -> None:
-    """Print ``report`` to ``console`` (stdout by default).
+    """Print ``report`` to ``console`` (stdout by default), every line within its width.
 
     Args:
         report: a :class:`~.report.Report`, or its ``blockdiff.report/1`` dict.
@@ -97,42 +213,36 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
     """
     console = console or Console()
     view = View.of(report)
-    ref, cand = view.report.reference, view.report.candidate
-    def side(meta: dict) -> str:
-        quantized = f"; {meta['quantization']}" if meta.get("quantization") else ""
-        ranks = f", {meta['ranks']} ranks" if meta.get("ranks") else ""
-        return f"{escape(str(meta['model']))} ({meta['device']}{ranks}, {meta['dtype']}{escape(quantized)})"
-
-    console.print(
-        f"[bold]blockdiff[/] reference {side(ref)} vs candidate {side(cand)}; tolerance {view.tolerance}",
-        highlight=False,
-    )
+    for line in _header(view, console.width):
+        console.print(line, highlight=False)
     for note in view.report.notes:
-        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+        _say(console, "note: ", note, head_style="yellow", indent=6)
     first = view.first
     if first is None:
-        console.print("[bold green]No divergence[/]: every local error is within tolerance.", highlight=False)
+        _say(console, "No divergence: ", "every local error is within tolerance.", head_style="bold green")
     else:
-        console.print(f"[bold red]First divergence[/]: {escape(first.headline())}", highlight=False)
+        _say(console, "First divergence: ", first.headline(), head_style="bold red", indent=4)
         if first.subpath == UNATTRIBUTED:
             position = view.column_of(first)
             unmapped = [] if position is None else view.columns[position].unmapped
             missing = f" ({', '.join(unmapped)} belong to no sub-path)" if unmapped else ""
-            console.print(
-                "  the block diverges but no sub-path explains it: the hook map may be missing "
-                f"a module{escape(missing)}; check it with `blockdiff arch`, then {HOOKS_FIX}",
-                highlight=False,
+            _say(
+                console, "  ",
+                "the block diverges but no sub-path explains it: the hook map may be missing "
+                f"a module{missing}; check it with `blockdiff arch`, then {HOOKS_FIX}",
+                indent=4,
             )
         drill = drill_down(first)
         if drill is not None:
-            console.print(f"  {escape(drill)}", highlight=False)
+            _say(console, "  ", drill, indent=4)
     _heatmap(view, console)
     if view.report.first_nonfinite is not None:
         nf = view.report.first_nonfinite
-        console.print(
-            f"[red]non-finite[/]: the free-running candidate first holds {nf['nonfinite_cand']} "
-            f"NaN/Inf values at {escape(nf['site'])} ({escape(nf['module'])})",
-            highlight=False,
+        _say(
+            console, "non-finite: ",
+            f"the free-running candidate first holds {nf['nonfinite_cand']} "
+            f"NaN/Inf values at {nf['site']} ({nf['module']})",
+            head_style="red",
         )
 
     for table in _error_tables(view, console.width):
@@ -140,13 +250,13 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
     for table in _moe_tables(view.moe, console.width) if view.moe else []:
         console.print(table)
     if view.moe:
-        console.print(MOE_COUNTS, style="dim", highlight=False)
+        _say(console, "", MOE_COUNTS, style="dim", indent=0)
     if len(view.divergences) > 1:
         console.print(f"{len(view.divergences)} divergent sites:", highlight=False)
         for d in view.divergences:
-            console.print(f"  - {escape(d.headline())}", highlight=False)
+            _say(console, "  - ", d.headline(), indent=4)
     if first is not None and advice is not None:
-        console.print(advice, style="dim", highlight=False)
+        _say(console, "", advice, style="dim", indent=6)
 
 
 # Left-aligned columns of the tables; the rest hold numbers, right-aligned.
@@ -248,7 +358,14 @@ def render_heatmap(report: Report | dict[str, Any] | View, console: Console) -> 
 
 def _heatmap(view: View, console: Console) -> None:
     label = 11
-    console.print(Text(f"{view.measured} / threshold: ", style="bold") + Text(LEGEND, style="dim"), highlight=False)
+    caption = f"{view.measured} / threshold: "
+    if len(caption) + len(LEGEND) <= console.width:
+        console.print(Text(caption, style="bold") + Text(LEGEND, style="dim"), highlight=False)
+    else:  # the legend under its caption, its entries whole
+        console.print(Text(caption.rstrip(), style="bold"), highlight=False)
+        for line in _packed([Text(entry) for entry in LEGEND.split("   ")], "  ", "  ", console.width):
+            line.stylize("dim")
+            console.print(line, highlight=False)
     blocks = view.blocks
     if blocks:
         spark = view.drift_sparkline
@@ -286,11 +403,31 @@ def _heatmap(view: View, console: Console) -> None:
         if scale:
             console.print(Text("  " + " " * label + scale.strip(), style="dim"), highlight=False)
     if view.stages:
-        line = Text("  " + "stages".ljust(label))
-        for position, stage in enumerate(view.stages):
-            line.append(("   " if position else "") + f"{stage.stage} ")
-            _symbol(line, stage.cells[WHOLE])
-        console.print(line, highlight=False)
+        entries = []
+        for stage in view.stages:
+            entry = Text(f"{stage.stage} ")
+            _symbol(entry, stage.cells[WHOLE])
+            entries.append(entry)
+        for line in _packed(entries, "  " + "stages".ljust(label), "  " + " " * label, console.width):
+            console.print(line, highlight=False)
+
+
+def _packed(entries: list[Text], first: str, rest: str, width: int) -> list[Text]:
+    """``entries`` three spaces apart, as many per line as fit in ``width``: the first line
+    after ``first``, the others after ``rest`` (at least one entry per line)."""
+    lines: list[Text] = []
+    line = Text(first)
+    count = 0
+    for entry in entries:
+        if count and line.cell_len + 3 + entry.cell_len > width:
+            lines.append(line)
+            line, count = Text(rest), 0
+        if count:
+            line.append("   ")
+        line.append_text(entry)
+        count += 1
+    lines.append(line)
+    return lines
 
 
 def render_layout(layout: Layout, label: str, console: Console | None = None) -> None:
@@ -304,25 +441,10 @@ def render_layout(layout: Layout, label: str, console: Console | None = None) ->
     )
     for stage, path in layout.outside:
         console.print(f"  {stage:<11} {escape(path)}", highlight=False)
-    table = Table(box=box.SIMPLE_HEAD)
-    table.add_column("block")
-    table.add_column("module")
-    for name in SUBPATHS:
-        table.add_column(name)
-    for block in layout.blocks:
-        prefix = block.path + "."
-        cells = []
-        for name in SUBPATHS:
-            if name == "residual":
-                cells.append(Text("(block glue)", style="dim"))
-                continue
-            paths = block.subpaths.get(name, [])
-            cell = Text(", ".join(p.removeprefix(prefix) for p in paths) or "—")
-            if name == "ffn" and block.moe is not None:
-                k = f", top-{block.moe['top_k']}" if "top_k" in block.moe else ""
-                cell.append(f"\nrouter {block.moe['router'].removeprefix(prefix)} ({block.moe['format']}{k})", style="cyan")
-            cells.append(cell)
-        table.add_row(str(block.index), block.path, *cells)
+    for table in (_layout_table(layout, compact=False), _layout_table(layout, compact=True)):
+        # Narrower gaps before rich cuts a module name short (80 columns, HF names).
+        if _UNBOUNDED.measure(table).maximum <= console.width:
+            break
     console.print(table)
     console.print("  attention: each block's token mixer (attention, state space, convolution)", style="dim", highlight=False)
     unmapped = [p for b in layout.blocks for p in b.unmapped]
@@ -341,6 +463,31 @@ def render_layout(layout: Layout, label: str, console: Console | None = None) ->
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     if warnings:
         console.print(f"  to fix: {HOOKS_FIX}", highlight=False)
+
+
+def _layout_table(layout: Layout, *, compact: bool) -> Table:
+    """Per block of ``layout``, each sub-path's modules; ``compact``: two spaces between
+    columns, none at the sides."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=not compact, collapse_padding=compact)
+    table.add_column("block")
+    table.add_column("module")
+    for name in SUBPATHS:
+        table.add_column(name)
+    for block in layout.blocks:
+        prefix = block.path + "."
+        cells = []
+        for name in SUBPATHS:
+            if name == "residual":
+                cells.append(Text("(block glue)", style="dim"))
+                continue
+            paths = block.subpaths.get(name, [])
+            cell = Text(", ".join(p.removeprefix(prefix) for p in paths) or "—")
+            if name == "ffn" and block.moe is not None:
+                k = f", top-{block.moe['top_k']}" if "top_k" in block.moe else ""
+                cell.append(f"\nrouter {block.moe['router'].removeprefix(prefix)} ({block.moe['format']}{k})", style="cyan")
+            cells.append(cell)
+        table.add_row(str(block.index), block.path, *cells)
+    return table
 
 
 BARS = " ▁▂▃▄▅▆▇█"
@@ -366,19 +513,48 @@ def _moe_tables(rows: list[MoeRow], width: int) -> list[Table]:
 
 def render_ranking(report: Report, console: Console, *, top: int) -> None:
     """The worst ``top`` entries of ``report.ranking`` (see :meth:`Report.rank`): where the
-    local error is largest over its baseline, sub-paths and their children alike."""
+    local error is largest over its baseline, sub-paths and their children alike.
+
+    One line per entry, ``local error / baseline = ratio``, within the console's width: a
+    module path too long for its column loses the middle of its path (:func:`shorten`),
+    never its last name.
+    """
     ranking = report.ranking or []
     basis = report.tolerance.get("baseline")
     over = f"the reference's own floor at {basis}" if basis else "each check's threshold"
-    console.print(f"ranking: local error over {escape(over)}, worst {min(top, len(ranking))} of {len(ranking)}", highlight=False)
-    for place, entry in enumerate(ranking[:top], start=1):
+    worst = f"worst {min(top, len(ranking))} of {len(ranking)}"
+    line = f"ranking: local error over {over}, {worst}"
+    if len(line) <= console.width:
+        console.print(line, highlight=False)
+    else:
+        console.print(f"ranking: {worst}", highlight=False)
+        _say(console, "  ", f"local error over {over}", indent=4)
+    entries = ranking[:top]
+    if not entries:
+        return
+    rows = []
+    for place, entry in enumerate(entries, start=1):
         where = entry["stage"] if entry["stage"] != "block" else f"block {entry['block']} {entry['subpath']}"
-        module = entry["child"] or entry["module"]
-        share = f"  share {entry['share']:.0%}" if entry.get("share") is not None else ""
-        console.print(
-            f"  {place:>2}. {escape(where):<15} {escape(module):<26} rel_l2 {fmt(entry['value'], '.3g'):<9} "
-            f"baseline {fmt(entry['baseline'], '.3g'):<9} {fmt(entry['ratio'], '.1f')}x{share}",
-            highlight=False,
-        )
-    if any(e.get("share") is not None for e in ranking[:top]):
-        console.print("  share: of all the error the sub-paths added (first order: of the final drift)", style="dim", highlight=False)
+        rows.append((
+            f"{place:>2}.", where, entry["child"] or entry["module"], fmt(entry["value"], ".3g"),
+            fmt(entry["baseline"], ".3g"), f"{fmt(entry['ratio'], '.1f')}x",
+            f"share {entry['share']:.0%}" if entry.get("share") is not None else "",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+
+    def laid(row: tuple[str, ...], module: int) -> str:
+        place, where, name, value, baseline, ratio, share = row
+        return (
+            f"  {place} {where:<{widths[1]}}  {shorten(name, module):<{module}}  {value:>{widths[3]}} / "
+            f"{baseline:<{widths[4]}} = {ratio:>{widths[5]}}  {share}"
+        ).rstrip()
+
+    # The module column gives way when a line is wider than the console.
+    wide = max(len(laid(row, widths[2])) for row in rows)
+    module = max(12, widths[2] - max(0, wide - console.width))
+    for row in rows:
+        console.print(laid(row, module), highlight=False)
+    console.print("  local error / baseline = ratio", style="dim", highlight=False)
+    if any(row[6] for row in rows):
+        _say(console, "  ", "share: of the error all sub-paths added (to first order, of the final drift)",
+             style="dim", indent=4)

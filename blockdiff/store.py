@@ -9,11 +9,6 @@ store is handed (copies, or the model's own tensors) is :mod:`blockdiff.capture`
 from __future__ import annotations
 
 import bisect
-import ctypes
-import ctypes.util
-import functools
-import os
-import sys
 from typing import Any, Protocol
 
 from .site import Site
@@ -66,58 +61,3 @@ class MemoryStore:
         after = [s for s in self._outside if s.stage not in ("embed", "context")]
         blocks = [s for i in self.block_indices() for s in self._blocks[i]]
         return before + blocks + after
-
-
-def _malloc_trim():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to call
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-@functools.lru_cache(maxsize=1)
-def _hdf5_garbage_collect():
-    """``H5garbage_collect`` of the libhdf5 that h5py loaded, or ``None``.
-
-    h5py does not wrap it; the library is found among the process's mappings (Linux).
-    """
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "/libhdf5" in line})
-    except OSError:
-        return None
-    for path in paths:
-        name = os.path.basename(path)
-        if name.startswith(("libhdf5-", "libhdf5.so")):  # not libhdf5_hl
-            try:
-                return ctypes.CDLL(path).H5garbage_collect
-            except (OSError, AttributeError):
-                continue
-    return None
-
-
-def release_freed_memory() -> None:
-    """Hand memory that was freed back to the operating system, where the libraries allow.
-
-    Streaming frees each block's activations before reading the next block's, but glibc
-    keeps freed heap memory (and tensors of up to 32 MB come from the heap once a larger
-    one was freed), so the resident size of a streamed run grew with the number of blocks
-    (about 4 MiB per block on a 58M model). ``malloc_trim`` after each block keeps it flat;
-    it takes about a millisecond. libhdf5 keeps the structures of the objects it closed
-    on free lists: after writing or opening a dump of 32 blocks they held ~3 MiB more than
-    for 8; ``H5garbage_collect`` (under h5py's lock) gives them back first. Where either
-    library is not found, that part does nothing.
-    """
-    if "h5py" in sys.modules:
-        collect = _hdf5_garbage_collect()
-        if collect is not None:
-            from h5py._objects import phil
-
-            with phil:
-                collect()
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)

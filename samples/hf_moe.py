@@ -255,9 +255,9 @@ def family_inputs(family: str, ids: torch.Tensor):
 def moe_module(model: nn.Module, block: int = FAMILY_BLOCK) -> nn.Module:
     """Block ``block``'s MoE module (the router's parent), in execution order (NLLB-MoE:
     encoder blocks, then decoder blocks)."""
-    from blockdiff import hookmap
+    from blockdiff import autodetect
 
-    layout = hookmap.resolve(model).blocks[block]
+    layout = autodetect.resolve(model).blocks[block]
     if layout.moe is None:
         raise ValueError(f"block {block} of {type(model).__name__} is not an MoE block")
     return model.get_submodule(layout.moe["router"].rpartition(".")[0])

@@ -58,9 +58,9 @@ def build(family: str = "mamba", *, seed: int = 0) -> nn.Module:
 
 def token_mixer(model: nn.Module, block: int) -> nn.Module:
     """Block ``block``'s token mixer, as blockdiff maps it (the ``attention`` sub-path)."""
-    from blockdiff import hookmap
+    from blockdiff import autodetect
 
-    return model.get_submodule(hookmap.resolve(model).blocks[block].subpaths["attention"][0])
+    return model.get_submodule(autodetect.resolve(model).blocks[block].subpaths["attention"][0])
 
 
 def conv_reversed(family: str = "mamba", *, block: int | None = None) -> nn.Module:

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from blockdiff.onnxside import module_sites, node_scopes
+from blockdiff.sides.onnx import module_sites, node_scopes
 
 
 def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:

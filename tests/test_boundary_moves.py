@@ -76,14 +76,14 @@ def test_a_moved_scale_is_not_blamed_in_bfloat16_or_on_replay(ids, tmp_path):
 
 
 def test_dumps_record_package_versions_and_a_replay_names_changes(ids, tmp_path, monkeypatch):
-    import blockdiff.engine
+    import blockdiff.sides.live
 
     capture(tinylm.build(), ids, tmp_path / "ref.h5")
     with DumpReader(tmp_path / "ref.h5") as dump:
         stored = dump.meta["versions"]
     assert stored["torch"] == torch.__version__
     assert replay(tmp_path / "ref.h5", tinylm.build()).notes == [f"replay: the reference is the dump {tmp_path / 'ref.h5'}"]
-    monkeypatch.setattr(blockdiff.engine, "versions", lambda model: {**stored, "torch": "9.9.9"})
+    monkeypatch.setattr(blockdiff.sides.live, "versions", lambda model: {**stored, "torch": "9.9.9"})
     notes = replay(tmp_path / "ref.h5", tinylm.build()).notes
     assert notes[1] == (
         f"the dump was captured under other package versions (torch {torch.__version__} → 9.9.9): "

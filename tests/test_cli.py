@@ -1,9 +1,11 @@
-"""The `blockdiff` command: exit codes, one-line errors, the README path in a real process."""
+"""The `blockdiff` command: exit codes, one-line errors, a real process in an 80-column
+terminal. The README's commands run as printed in tests/test_readme.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -179,15 +181,63 @@ def test_nan_candidate_is_reported_not_a_crash(capsys):
     assert "free-running candidate first holds" in out and "block 1 ffn" in out
 
 
-def test_readme_command_localizes_the_planted_bug():
-    """The README's first command, in a real process."""
-    readme = (ROOT / "README.md").read_text()
-    command = "blockdiff diff samples/tinylm.py:build samples/bugs.py:gelu_for_silu"
-    assert command in readme
-    done = blockdiff_process(*command.split()[1:])
-    assert done.returncode == 1, done.stderr
-    assert "First divergence: block 1 ffn (blocks.1.ffn)" in done.stdout
-    assert "Traceback" not in done.stderr
+def in_terminal(*args: str, columns: int, cwd: Path = ROOT) -> tuple[int, str, str]:
+    """``python -m blockdiff ARGS`` with stdout on a pseudo-terminal ``columns`` wide (as
+    in a terminal window), stderr on a pipe: exit code, stdout without escape codes, stderr."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {**os.environ, "NO_COLOR": "1", "OMP_NUM_THREADS": "1", "COLUMNS": str(columns), "TERM": "xterm"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "blockdiff", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+        stdout=follower, stderr=subprocess.PIPE,
+    )
+    os.close(follower)
+    out = b""
+    while True:
+        ready, _, _ = select.select([leader], [], [], 300)
+        if not ready:
+            process.kill()
+            raise AssertionError(f"no output for 300 s: {args}")
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: the process is done writing
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    err = process.stderr.read().decode()
+    process.wait(timeout=60)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07", "", out.decode()).replace("\r\n", "\n")
+    return process.returncode, text, err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_a_diff_fits_an_80_column_terminal_even_with_a_long_model_path(tmp_path):
+    # A model path longer than the terminal: the header keeps its file name and factory
+    # whole and loses the middle of its directories; no printed line is wider than 80.
+    folder = tmp_path.joinpath(*["a-directory-with-a-rather-long-name"] * 3)
+    folder.mkdir(parents=True)
+    (folder / "tinylm.py").write_text((ROOT / "samples" / "tinylm.py").read_text())
+    spec = f"{folder / 'tinylm.py'}:build"
+    assert len(spec) > 110
+    code, out, err = in_terminal("diff", spec, "samples/bugs.py:gelu_for_silu", columns=80)
+    assert code == 1, err
+    lines = out.splitlines()
+    wide = [line for line in lines if len(line.rstrip()) > 80]
+    assert wide == [], "\n".join(wide)
+    header = next(line for line in lines if line.startswith("blockdiff reference "))
+    assert header.endswith("…/tinylm.py:build (cpu, float32)") and spec[:20] in header, header
+    assert any(line.strip() == "candidate samples/bugs.py:gelu_for_silu (cpu, float32)" for line in lines), out
+    assert "First divergence: block 1 ffn (blocks.1.ffn):" in out
+    assert "1.62e-01!" in out  # the table's numbers whole
+    assert all(len(line) <= 80 for line in err.splitlines())
 
 
 def test_real_process_error_is_one_line():
@@ -291,3 +341,23 @@ def test_an_error_in_user_code_points_to_debug(factories, capsys):
     code, _, err = run_cli(["diff", SAMPLE, f"{factories}/factories.py:raises", "--debug"], capsys)
     assert code == 2
     assert "Traceback" in err and err.strip().endswith("the factory raised ValueError: weights file is corrupt")
+
+
+def test_columns_sets_the_width_of_a_report_that_is_not_on_a_terminal():
+    done = subprocess.run(
+        [sys.executable, "-m", "blockdiff", "diff", SAMPLE, "samples/bugs.py:gelu_for_silu"], cwd=ROOT,
+        env={**os.environ, "NO_COLOR": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "80"},
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 1, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if len(line) > 80] == []
+    assert lines[0] == "blockdiff reference samples/tinylm.py:build (cpu, float32)"  # one side a line at 80
+
+
+@pytest.mark.parametrize("command", [[], ["diff"], ["capture"], ["report"], ["inspect"], ["export"], ["arch"]])
+def test_every_help_fits_80_columns(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_cli([*command, "--help"], capsys)
+    assert code == 0 and "Usage: blockdiff" in out
+    assert [line for line in out.splitlines() if len(line) > 80] == []

@@ -13,7 +13,7 @@ import textwrap
 import zlib
 from pathlib import Path
 
-import google_crc32c
+import crc32c
 import h5py
 import numpy as np
 import pytest
@@ -285,7 +285,7 @@ def test_verify_all_counts_everything(tmp_path):
 def test_plain_h5py_reads_the_dump(tmp_path):
     tensors = _tensors()
     path = _write(tmp_path / "d.h5", _model_sites() + [_site(args=(tensors["bf16"],), output=tensors["f32"])])
-    # Only h5py, numpy, json and google-crc32c from here, following docs/dump-format.md:
+    # Only h5py, numpy, json and crc32c from here, following docs/dump-format.md:
     # what someone without blockdiff has. Strings are fixed-length UTF-8 (bytes in h5py).
     def text(attrs, name):
         return attrs[name].decode("utf-8")
@@ -298,13 +298,13 @@ def test_plain_h5py_reads_the_dump(tmp_path):
         assert f.attrs["layers"] == 2
         assert json.loads(text(f.attrs, "config")) == META["config"]
         raw = f["index"][()]
-        assert format(google_crc32c.value(raw), "08x") == text(f["index"].attrs, "crc32c")
+        assert format(crc32c.crc32c(raw), "08x") == text(f["index"].attrs, "crc32c")
         index = json.loads(raw)
 
         def array(ref):
             t = index["tensors"][ref]
             data = f["tensors"][t["data"]][t["offset"] : t["offset"] + t["count"]]
-            assert format(google_crc32c.value(data.tobytes()), "08x") == t["crc32c"]
+            assert format(crc32c.crc32c(data.tobytes()), "08x") == t["crc32c"]
             return t, data.reshape(t["shape"])
 
         sites = index["sites"]
@@ -573,7 +573,7 @@ def _resign(f: h5py.File) -> None:
     import blockdiff.dump as dump_module
 
     del f.attrs["complete"], f.attrs["metadata_digest"]
-    f.attrs["metadata_digest"] = dump_module._metadata_digest(f)
+    f.attrs["metadata_digest"] = dump_module.metadata_digest(f)
     f.attrs["complete"] = True
 
 
@@ -658,7 +658,7 @@ def _rewrite_index(f: h5py.File, index: dict, *, crc: bool = True) -> None:
     old_crc = f["index"].attrs["crc32c"]
     del f["index"]
     f["index"] = np.array(data, dtype=f"S{len(data)}")
-    new = format(google_crc32c.value(data), "08x").encode() if crc else old_crc
+    new = format(crc32c.crc32c(data), "08x").encode() if crc else old_crc
     f["index"].attrs.create("crc32c", np.array(new, dtype=h5py.string_dtype("utf-8", 8)))
 
 
@@ -701,7 +701,7 @@ def test_damaged_index_is_a_dump_error(dump_path, tmp_path):
         del f["index"]
         broken = raw[: len(raw) // 2].encode()
         f["index"] = np.array(broken, dtype=f"S{len(broken)}")
-        f["index"].attrs.create("crc32c", np.array(format(google_crc32c.value(broken), "08x").encode(), dtype=h5py.string_dtype("utf-8", 8)))
+        f["index"].attrs.create("crc32c", np.array(format(crc32c.crc32c(broken), "08x").encode(), dtype=h5py.string_dtype("utf-8", 8)))
         _resign(f)
     with pytest.raises(DumpError, match=r"d\.h5 is damaged: JSONDecodeError"):
         DumpReader(dump_path)
@@ -810,11 +810,11 @@ def test_flipped_metadata_bytes_never_pass_silently(tmp_path):
 
 @pytest.mark.parametrize("durable", [False, True])
 def test_only_a_durable_dump_is_flushed_to_disk(tmp_path, monkeypatch, durable):
-    import blockdiff.dump.format as fmt
+    import blockdiff.dump.packing as packing
 
     flushed = []
-    real = fmt._fsync
-    monkeypatch.setattr(fmt, "_fsync", lambda path: (flushed.append(Path(path)), real(path)))
+    real = packing._fsync
+    monkeypatch.setattr(packing, "_fsync", lambda path: (flushed.append(Path(path)), real(path)))
     path = tmp_path / "d.h5"
     with DumpWriter(path, meta=META, durable=durable) as writer:
         writer.add(_site(args=(torch.ones(3),)))
@@ -825,11 +825,11 @@ def test_only_a_durable_dump_is_flushed_to_disk(tmp_path, monkeypatch, durable):
 
 
 def test_capture_fsync_flag_makes_a_durable_dump(tmp_path, monkeypatch, capsys):
-    import blockdiff.dump.format as fmt
+    import blockdiff.dump.packing as packing
     from tests.conftest import run_cli
 
     flushed = []
-    monkeypatch.setattr(fmt, "_fsync", flushed.append)
+    monkeypatch.setattr(packing, "_fsync", flushed.append)
     out = tmp_path / "ref.h5"
     code, _, err = run_cli(["capture", "samples/tinylm.py:build", "--out", str(out), "--fsync"], capsys)
     assert code == 0, err
@@ -885,7 +885,7 @@ def _check_round_trip(path: Path, tensors: list[torch.Tensor]) -> None:
 def test_contiguous_data_survives_short_writes(tmp_path, monkeypatch):
     # The writer writes the bytes itself: a write that takes fewer bytes than asked (which
     # POSIX allows) is continued where it stopped, mid-tensor and at tensor boundaries.
-    import blockdiff.dump.writer as writer_module
+    import blockdiff.dump.packing as packing
 
     real, calls = os.pwritev, []
 
@@ -894,7 +894,7 @@ def test_contiguous_data_survives_short_writes(tmp_path, monkeypatch):
         head = [memoryview(b)[:100_003] for b in buffers[:1]]
         return real(fd, head, offset)
 
-    monkeypatch.setattr(writer_module.os, "pwritev", short)
+    monkeypatch.setattr(packing.os, "pwritev", short)
     sites, tensors = _writer_sites()
     _check_round_trip(_write(tmp_path / "d.h5", sites), tensors)
     assert len(calls) > 80  # 9 MiB, 100 kB at a time
@@ -903,10 +903,10 @@ def test_contiguous_data_survives_short_writes(tmp_path, monkeypatch):
 def test_without_pwrite_libhdf5_writes_the_data(tmp_path, monkeypatch):
     # Where the platform has no pwrite (or libhdf5 gives no file descriptor), the bytes go
     # through libhdf5: the same dump.
-    import blockdiff.dump.writer as writer_module
+    import blockdiff.dump.packing as packing
 
-    monkeypatch.delattr(writer_module.os, "pwrite")
-    monkeypatch.delattr(writer_module.os, "pwritev")
+    monkeypatch.delattr(packing.os, "pwrite")
+    monkeypatch.delattr(packing.os, "pwritev")
     sites, tensors = _writer_sites(6)
     path = _write(tmp_path / "d.h5", sites)
     _check_round_trip(path, tensors)
@@ -915,23 +915,50 @@ def test_without_pwrite_libhdf5_writes_the_data(tmp_path, monkeypatch):
 
 
 def test_datasets_are_allocated_at_once(tmp_path, monkeypatch):
-    # A dataset of 1 MiB or more is fallocated before it is written (its blocks reserved,
-    # the file's size kept), as numpy.tofile does; a smaller one is not. A filesystem that
-    # refuses (the call fails) changes nothing.
-    import blockdiff.dump.writer as writer_module
+    # A dataset of 1 MiB or more is allocated on disk (os.posix_fallocate) before it is
+    # written, as numpy.tofile does; a smaller one is not. The call may grow the file to
+    # the dataset's end: libhdf5 allocated that range and every byte of it is written, so
+    # the dump's size and bytes are those of a dump written without it.
+    import blockdiff.dump.packing as packing
 
-    calls = []
-    monkeypatch.setattr(writer_module, "_FALLOCATE", lambda fd, mode, offset, n: calls.append((mode, offset, n)) or -1)
+    real, calls = os.posix_fallocate, []
+
+    def allocate(fd, offset, n):
+        calls.append((offset, n))
+        real(fd, offset, n)
+
+    monkeypatch.setattr(packing.os, "posix_fallocate", allocate)
     small = _write(tmp_path / "small.h5", [_site(output=torch.ones(1000))])
     assert calls == []
     _check_round_trip(small, [torch.ones(1000)])
     big = torch.arange(5 * 2**20, dtype=torch.float32)  # 20 MiB
-    path = _write(tmp_path / "d.h5", [_site(block=0, module="small", output=torch.ones(3)), _site(block=1, module="big", output=big)])
+    sites = [_site(block=0, module="small", output=torch.ones(3)), _site(block=1, module="big", output=big)]
+    path = _write(tmp_path / "d.h5", sites)
     _check_round_trip(path, [torch.ones(3), big])
     with h5py.File(path, "r") as f:
         (dset,) = f["tensors"].values()  # one batch: both tensors
-        assert calls == [(1, dset.id.get_offset(), (3 + big.numel()) * 4)]
+        assert calls == [(dset.id.get_offset(), (3 + big.numel()) * 4)]
         assert dset.id.get_offset() % 4096 == 0  # tensor data starts on a page
+        start, end = dset.id.get_offset(), dset.id.get_offset() + (3 + big.numel()) * 4
+    data = path.read_bytes()
+    assert data[start:end] == np.ones(3, np.float32).tobytes() + big.numpy().tobytes()
+    # Without the call (a platform without it: macOS), and with a filesystem that refuses
+    # it: the same layout, size and tensor bytes.
+    monkeypatch.delattr(packing.os, "posix_fallocate")
+    plain = _write(tmp_path / "plain.h5", sites)
+
+    def refusing(fd, offset, n):
+        calls.append((offset, n))
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(packing.os, "posix_fallocate", refusing, raising=False)  # deleted above
+    refused = _write(tmp_path / "refused.h5", sites)
+    assert len(calls) == 2
+    for other in (plain, refused):
+        _check_round_trip(other, [torch.ones(3), big])
+        with h5py.File(other, "r") as f:
+            assert [d.id.get_offset() for d in f["tensors"].values()] == [start]
+        assert other.stat().st_size == len(data) and other.read_bytes()[start:end] == data[start:end]
 
 
 @pytest.mark.parametrize("compress", [None, "lzf"])
@@ -975,3 +1002,42 @@ def test_meta_changed_before_close_is_what_the_dump_records(tmp_path):
         writer.meta["layers"] = 3
     with DumpReader(path) as dump:  # the metadata digest covers them too
         assert dump.meta["ranks"] == 2 and dump.meta["layers"] == 3 and dump.meta["model"] == META["model"]
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_freed_memory_goes_back_through_h5pys_own_libhdf5(tmp_path):
+    # H5garbage_collect is found in the libhdf5 h5py loaded, not another copy: the same
+    # handle sees the files h5py has open.
+    import ctypes
+    import platform
+
+    from blockdiff.dump import memory
+
+    lib = memory._hdf5_library()
+    assert lib is not None and memory._hdf5_garbage_collect() is not None
+    count = lib.H5Fget_obj_count
+    count.argtypes, count.restype = (ctypes.c_int64, ctypes.c_uint), ctypes.c_ssize_t
+    with h5py.File(tmp_path / "a.h5", "w"), h5py.File(tmp_path / "b.h5", "w"):
+        opened = h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE)
+        assert opened >= 2 and count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE) == opened
+    assert memory._hdf5_garbage_collect()() >= 0
+    if platform.libc_ver()[0] == "glibc":
+        assert memory._MALLOC_TRIM is not None
+
+
+def test_release_freed_memory_calls_what_it_found(monkeypatch):
+    from blockdiff.dump import memory
+
+    calls = []
+    monkeypatch.setattr(memory, "_MALLOC_TRIM", lambda pad: calls.append(("malloc_trim", pad)))
+    monkeypatch.setattr(memory, "_hdf5_garbage_collect", lambda: lambda: calls.append("H5garbage_collect"))
+    memory.release_freed_memory()
+    assert calls == ["H5garbage_collect", ("malloc_trim", 0)]
+    # Neither found (not glibc, an h5py whose extension cannot be opened): nothing is called.
+    calls.clear()
+    monkeypatch.setattr(memory, "_MALLOC_TRIM", None)
+    monkeypatch.setattr(memory, "_hdf5_garbage_collect", lambda: None)
+    memory.release_freed_memory()
+    assert calls == []

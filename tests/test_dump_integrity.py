@@ -142,3 +142,20 @@ def test_checksums_off_writes_no_filter_and_must_be_read_unverified(tmp_path, id
     with pytest.raises(DumpError, match="checksums off"):
         with DumpReader(path) as reader:
             reader.block_sites(0)
+
+
+def test_crc32c_is_castagnolis_checksum_of_the_bytes_where_they_are():
+    import numpy as np
+
+    from blockdiff.dump.format import crc32c, tensor_crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283  # CRC-32C's check value
+    a = np.arange(1000, dtype=np.float32)
+    # A numpy array or a memoryview is read in place, and a checksum continues another.
+    assert crc32c(a) == crc32c(a.tobytes()) == crc32c(memoryview(a)[500:], crc32c(memoryview(a)[:500]))
+    with pytest.raises(ValueError, match="contiguous"):  # refused, never copied
+        crc32c(a.reshape(10, 100)[:, ::2])
+    # A tensor's checksum is of its bytes in C order, little-endian: 8 hex digits, as stored
+    # since schema 2 (tests/data/schema3.h5 verifies with it, test_dump.py).
+    assert tensor_crc32c(a.astype(">f4").reshape(10, 100).T.copy().T) == format(crc32c(a.tobytes()), "08x")
+    assert tensor_crc32c(np.zeros(0, np.float32)) == "00000000"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import crc32c
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -94,7 +96,7 @@ def test_reference_helpers_read_a_schema_3_dump_too():
 def test_foreign_dump_reads_back_through_blockdiffs_reader(reference: Path, outputs: dict, tmp_path: Path):
     path = write(tmp_path / "foreign.h5", reference, outputs)
     with DumpReader(path) as dump, DumpReader(reference) as ref:
-        assert dump.meta["schema_version"] == 3 and dump.meta["runtime"] == "numpy copy"
+        assert dump.meta["schema_version"] == 4 and dump.meta["runtime"] == "numpy copy"
         assert dump.meta["dtype"] == "float32" and dump.meta["hook_map"] == "tinylm"
         assert dump.verify_all().sites == len(reference_sites(reference))
         assert torch.equal(dump.inputs(), ref.inputs())
@@ -145,3 +147,138 @@ def test_writer_refuses_what_would_not_pair(reference: Path, outputs: dict, tmp_
     (tmp_path / "other.h5").write_bytes(b"not hdf5")
     with pytest.raises(DumpError, match="cannot be opened as HDF5"):
         reference_sites(tmp_path / "other.h5")
+
+
+def _index(path: Path) -> dict:
+    with h5py.File(path, "r") as f:
+        raw = f["index"][()]
+        assert format(crc32c.crc32c(raw), "08x") == f["index"].attrs["crc32c"].decode()
+        return json.loads(raw)
+
+
+def test_foreign_dump_is_the_native_writers_layout(reference: Path, outputs: dict, tmp_path: Path):
+    # Schema 4, as DumpWriter writes it: packed datasets and the JSON index. The reference's
+    # own outputs written back give each site's output the reference's entry: the same
+    # dtype, shape and CRC-32C, taken by the same code.
+    path = write(tmp_path / "foreign.h5", reference, outputs)
+    with h5py.File(path, "r") as f:
+        assert f.attrs["schema_version"] == 4 and f.attrs["torch_version"] == b""
+        assert sorted(f) == ["index", "tensors"]
+        assert all(name.startswith(("float32.", "int64.")) for name in f["tensors"])
+    mine, theirs = _index(path), _index(reference)
+    assert sorted(mine) == ["inputs", "sites", "tensors"]
+    assert len(mine["sites"]) == len(theirs["sites"])
+    key = ("stage", "block", "subpath", "module", "call", "ordinal", "order")
+    by_site = {tuple(r[k] for k in key): r for r in theirs["sites"]}
+
+    def output_entries(index, record):
+        return [{k: index["tensors"][ref][k] for k in ("dtype", "shape", "count", "crc32c")}
+                for ref in _refs(record["structure"]["output"])]
+
+    for record in mine["sites"]:
+        assert output_entries(mine, record) == output_entries(theirs, by_site[tuple(record[k] for k in key)])
+
+
+def _refs(node):
+    if node["type"] == "tensor":
+        yield node["ref"]
+    for item in node.get("items", ()):
+        for part in item if isinstance(item, list) else [item]:
+            yield from _refs(part)
+
+
+def test_arrays_are_written_before_add_returns(reference: Path, outputs: dict, tmp_path: Path):
+    # A runtime may reuse its output buffer (llama.cpp's callbacks do): what add was given is
+    # what the dump holds. An array passed twice in one call is stored once.
+    buffer = np.empty((2, 12, 64), np.float32)
+    with ForeignDumpWriter(tmp_path / "reused.h5", reference=reference) as writer:
+        writer.add_inputs(reference_inputs(reference))
+        for site in writer.sites():
+            out = outputs[(site.module, site.call)]
+            if site.module.endswith(".ffn"):
+                buffer[...] = out
+                writer.add(site.module, buffer, call=site.call, args=(buffer,))
+                buffer[...] = -1.0
+            else:
+                writer.add(site.module, out, call=site.call)
+    with DumpReader(tmp_path / "reused.h5") as dump:
+        for site in dump.iter_sites():
+            if site.module.endswith(".ffn"):
+                assert np.array_equal(site.output.numpy(), outputs[(site.module, site.call)])
+                assert site.args[0] is site.output
+    index = _index(tmp_path / "reused.h5")
+    assert len(index["tensors"]) == sum(len(list(_refs(r["structure"]["output"]))) for r in index["sites"]) + 1
+
+
+def test_a_failed_write_discards_the_dump(reference: Path, outputs: dict, tmp_path: Path, monkeypatch):
+    import blockdiff.dump.packing as packing
+
+    def failing(fd, views, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(packing, "_pwrite_all", failing)
+    path = tmp_path / "full.h5"
+    with pytest.raises(DumpError, match=r"full\.h5: cannot write the inputs: OSError: .*No space left on device \(the dump was discarded\)"):
+        with ForeignDumpWriter(path, reference=reference) as writer:
+            writer.add_inputs(reference_inputs(reference))
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(DumpError, match="the writer is closed"):
+        writer.add("embed", outputs[("embed", 0)])
+
+
+def _write_schema_3(path: Path, reference: Path, outputs: dict) -> None:
+    """A foreign dump as blockdiff 0.4.1's ForeignDumpWriter wrote it (schema 3: a group per
+    site, a dataset per array with its dtype, shape and CRC-32C), with plain h5py and the
+    format's attribute helpers."""
+    from blockdiff.dump.format import Link, digest, encode_meta, set_attr, tensor_crc32c
+
+    links: dict[str, Link] = {}
+    ref_meta = reference_meta(reference)
+    with h5py.File(path, "w", libver=("v110", "v110")) as f:
+        attrs = {"format": "blockdiff.dump", "schema_version": 3, "blockdiff_version": "0.4.1", "torch_version": "",
+                 "created": "2025-06-01T12:00:00+00:00"}
+        meta = {"model": "numpy copy", "class": "numpy copy (foreign dump)", "runtime": "numpy copy", "device": "cpu",
+                "hook_map": ref_meta["hook_map"], "layout": ref_meta["layout"], "reference_dump": str(reference), "dtype": "float32"}
+        encoded = {key: encode_meta(key, value) for key, value in meta.items()}
+        attrs.update({key: stored for key, (stored, _) in encoded.items()})
+        attrs["json_attributes"] = json.dumps([key for key, (_, is_json) in encoded.items() if is_json])
+        root = {key: set_attr(f, key, value) for key, value in attrs.items()}
+
+        def group(name: str, value, **record) -> None:
+            arrays = value if isinstance(value, tuple) else (value,)
+            g = f.create_group(name)
+            for i, arr in enumerate(arrays):
+                d = g.create_dataset(f"t{i}", data=arr.reshape(1) if arr.ndim == 0 else arr, chunks=arr.shape or (1,))
+                stored = {"torch_dtype": arr.dtype.name, "shape": json.dumps(list(arr.shape)), "crc32c": tensor_crc32c(arr)}
+                links[f"{name}/t{i}"] = Link("dataset", {k: set_attr(d, k, v) for k, v in stored.items()}, d.dtype.str, d.shape)
+            nodes = [{"type": "tensor", "ref": f"t{i}"} for i in range(len(arrays))]
+            node = {"type": "tuple", "items": nodes} if isinstance(value, tuple) else nodes[0]
+            if record:
+                node = {"args": {"type": "tuple", "items": []}, "kwargs": {"type": "dict", "items": []}, "output": node}
+            links[name] = Link("group", {k: set_attr(g, k, v) for k, v in {**record, "structure": json.dumps(node)}.items()})
+
+        f.create_group("sites")
+        links["sites"] = Link("group", {})
+        for n, site in enumerate(reference_sites(reference)):
+            record = {k: getattr(site, k) for k in ("stage", "block", "subpath", "module", "call", "ordinal", "order")}
+            group(f"sites/{n:06d}", outputs[(site.module, site.call)], **record)
+        group("inputs", reference_inputs(reference))
+        set_attr(f, "metadata_digest", digest(root, links))
+        set_attr(f, "complete", True)
+
+
+def test_a_schema_3_foreign_dump_still_reads_and_compares(reference: Path, outputs: dict, tmp_path: Path):
+    # What ForeignDumpWriter wrote before it wrote schema 4 (blockdiff 0.4.1).
+    path = tmp_path / "old.h5"
+    _write_schema_3(path, reference, outputs)
+    with DumpReader(path) as dump:
+        assert dump.meta["schema_version"] == 3 and dump.meta["runtime"] == "numpy copy"
+        assert dump.verify_all().sites == len(reference_sites(reference))
+        for site in dump.iter_sites():
+            want = outputs[(site.module, site.call)]
+            got = tuple(t.numpy() for t in iter_tensors(site.output))
+            assert all(np.array_equal(a, b) for a, b in zip(got, want if isinstance(want, tuple) else (want,)))
+    assert [s.module for s in reference_sites(path)] == [s.module for s in reference_sites(reference)]
+    assert np.array_equal(reference_inputs(path), reference_inputs(reference))
+    assert run(str(reference), str(path)).first_divergence is None
+

@@ -10,7 +10,8 @@ import torch
 import blockdiff
 from blockdiff import InputError, Options, PairingError, RandomTokens, Tolerance, run
 from blockdiff.engine import capture
-from blockdiff.sides import DumpSide, LiveSide
+from blockdiff.sides.dump import DumpSide
+from blockdiff.sides.live import LiveSide
 from samples import bugs, tinylm
 from tests.conftest import blamed
 

@@ -10,7 +10,8 @@ import torch
 
 from blockdiff import diff, resolve
 from blockdiff import experiments as experiments_module
-from blockdiff.sides import LiveSide, cast_copy
+from blockdiff.sides.live import LiveSide
+from blockdiff.sides.precision import cast_copy
 from samples import bugs, tinylm
 
 
@@ -90,7 +91,7 @@ def test_a_floor_module_overwriting_what_it_returned_leaves_the_report_unchanged
     returns one buffer, overwritten by each call: the floor experiments call the copy's
     block 3 again, which overwrites the free run's block 3 output. The diff notices and
     runs again on copies: the report is the one of a reference without the buffer."""
-    from blockdiff.sides import PrecisionSide
+    from blockdiff.sides.live import PrecisionSide
 
     cand = bugs.gelu_for_silu(block=2).to(torch.bfloat16)
     plain = _checks(diff(tinylm.build(), cand, ids))

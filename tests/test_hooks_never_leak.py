@@ -72,3 +72,37 @@ def test_blockdiff_error_leaves_no_hooks(ids):
     with pytest.raises(BlockdiffError, match="4 blocks and the candidate 3"):
         diff(reference, candidate, ids)
     assert hook_count(reference) == 0 and hook_count(candidate) == 0
+
+
+def test_the_hooks_context_undoes_everything_last_first_even_on_error():
+    from blockdiff.hooking import Hooks
+
+    model = tinylm.build(blocks=1)
+    block = model.blocks[0]
+    own = lambda *args, **kwargs: None  # noqa: E731 - an instance forward the user set
+    block.ffn.forward = own
+    seen = []
+    with pytest.raises(RuntimeError, match="inside"):
+        with Hooks() as hooks:
+            hooks.before(block, lambda m, a, k: seen.append("pre") or None)
+            hooks.after(block, lambda m, a, k, o: seen.append("post") or None)
+            hooks.replace_forward(block.ffn, lambda previous: lambda *a, **k: "frozen")
+            hooks.replace_forward(block.attn, lambda previous: lambda *a, **k: "frozen")
+            assert block.ffn.forward() == "frozen" and len(block._forward_pre_hooks) == len(block._forward_hooks) == 1
+            raise RuntimeError("inside")
+    assert hook_count(model) == 0
+    assert block.ffn.__dict__["forward"] is own  # the user's own instance forward is back
+    assert "forward" not in block.attn.__dict__  # none before: none after
+
+
+def test_recording_around_an_in_place_compiled_call_is_undone():
+    from blockdiff.hooking import Hooks
+
+    layer = torch.nn.Linear(4, 4)
+    original = lambda *args, **kwargs: "compiled"  # noqa: E731 - what module.compile() installs
+    layer._compiled_call_impl = original
+    seen = []
+    with Hooks() as hooks:
+        hooks.around(layer, lambda m, a, k: seen.append("pre"), lambda m, a, k, o: seen.append(o))
+        assert layer._compiled_call_impl(torch.zeros(4)) == "compiled"
+    assert seen == ["pre", "compiled"] and layer._compiled_call_impl is original and hook_count(layer) == 0

@@ -16,7 +16,7 @@ onnx = pytest.importorskip("onnx")
 
 from blockdiff.engine import RandomTokens, run  # noqa: E402
 from blockdiff.errors import InputError, PairingError  # noqa: E402
-from blockdiff.onnxside import OnnxModel, export_onnx, module_sites  # noqa: E402
+from blockdiff.sides.onnx import OnnxModel, export_onnx, module_sites  # noqa: E402
 from samples import onnx_bugs, tinylm  # noqa: E402
 from tests.test_cli import blockdiff_process  # noqa: E402
 
@@ -113,7 +113,7 @@ def test_an_onnx_candidate_without_onnxruntime_installed_is_a_clear_error(monkey
     import sys
 
     from blockdiff.errors import ModelSpecError
-    from blockdiff.onnxside import OnnxModel
+    from blockdiff.sides.onnx import OnnxModel
 
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as where it is not installed
     with pytest.raises(ModelSpecError, match=r"needs the onnx and onnxruntime packages .*pip install 'blockdiff\[onnx\]'"):

@@ -235,3 +235,85 @@ def test_moe_headline_names_the_part_in_words_and_the_json_keeps_it(moe_report):
     # The JSON is unchanged: part and what as the report holds them.
     data = moe_report.to_dict()["first_divergence"]
     assert (data["part"], data["what"]) == ("router", ROUTER_WEIGHTS)
+
+
+# -- every line within the console's width
+
+
+def test_shorten_keeps_the_file_name_and_factory():
+    from blockdiff.render import shorten
+
+    path = "/tmp/some/very/long/directory/name/for/a/model/file/tinylm.py:build"
+    assert shorten(path, 200) == path
+    short = shorten(path, 40)
+    assert len(short) <= 40 and short.startswith("/tmp/") and short.endswith("/…/tinylm.py:build")
+    assert shorten(path, 10) == "…/tinylm.py:build"  # never cut the file name and factory
+    dotted = shorten("mypkg.models.very.deep.module:build", 24)
+    assert len(dotted) <= 24 and dotted.endswith("….module:build")
+
+
+def test_eighty_columns_fit_a_long_model_path_and_a_quantized_candidate(gelu_report):
+    data = json.loads(json.dumps(gelu_report.to_dict()))
+    long = "/tmp/some/very/long/directory/name/for/a/model/file/and/more/of/it/tinylm.py:build"
+    data["reference"]["model"] = long
+    data["candidate"]["quantization"] = "torch.ao dynamic quantized Linear in 29 modules"
+    console = plain(80)
+    render(data, console)
+    lines = output(console).splitlines()
+    assert [line for line in lines if len(line.rstrip()) > 80] == []
+    reference, candidate, more, tolerance = lines[:4]
+    # One line per side under aligned labels, the path's middle cut, its file name kept.
+    assert reference.startswith("blockdiff reference /tmp/some/") and reference.endswith("…/tinylm.py:build (cpu, float32)")
+    # The quantization it names wraps under the model, "(cpu, float32;" kept together.
+    assert candidate.startswith("          candidate TinyLM (cpu, float32;") and more.startswith(" " * 20)
+    assert " ".join((candidate + more).split()) == "candidate TinyLM (cpu, float32; torch.ao dynamic quantized Linear in 29 modules)"
+    assert tolerance == "          tolerance fixed"
+    wide = plain(400)
+    render(data, wide)  # wide enough: the header in one line, the path whole
+    assert output(wide).splitlines()[0].startswith(f"blockdiff reference {long} (cpu, float32) vs candidate ")
+
+
+def test_wrapped_sentences_keep_commands_whole_and_leave_no_word_alone(gelu_report):
+    for width in (60, 80, 120):
+        console = plain(width)
+        render(gelu_report, console)
+        lines = output(console).splitlines()
+        advice = lines[next(i for i, line in enumerate(lines) if line.startswith("next: ")) :]
+        assert all(len(line) <= width for line in advice)
+        assert "`blockdiff arch MODEL`" in "\n".join(advice)  # a quoted command is never split
+        if len(advice) > 1:
+            assert all(line.startswith("      ") for line in advice[1:])  # under "next: "
+            assert len(advice[-1].split()) > 1, advice  # balanced: no word alone on the last line
+    console = plain(60)
+    render(gelu_report, console)
+    text = output(console)
+    for entry in ("· below 0.5", "o 0.5 to 1", "X diverged", "- not needed, absent or not judged"):
+        assert any(entry in line for line in text.splitlines()), entry  # the legend's entries whole
+
+
+@pytest.fixture(scope="module")
+def ranked():
+    from samples import quant
+
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    return diff(quant.outlier(), quant.outlier_int8_dynamic(), ids, rank=True)
+
+
+def test_the_ranking_fits_the_console_and_keeps_module_names_recognizable(ranked):
+    from blockdiff.render import render_ranking
+
+    for width in (120, 80, 60):
+        console = plain(width)
+        render_ranking(ranked, console, top=5)
+        lines = output(console).splitlines()
+        assert [line for line in lines if len(line) > width] == [], (width, lines)
+        entries = [line for line in lines if re.match(r"\s+\d+\. ", line)]
+        assert len(entries) == 5
+        for entry, expected in zip(entries, ranked.ranking[:5], strict=True):
+            module = expected["child"] or expected["module"]
+            name = module.rsplit(".", 1)[-1]
+            assert module in entry or ("…" in entry and name in entry), (width, entry)
+            assert f"{expected['ratio']:.1f}x" in entry  # numbers never cut
+    console = plain(120)
+    render_ranking(ranked, console, top=5)
+    assert output(console).splitlines()[0] == "ranking: local error over each check's threshold, worst 5 of " + str(len(ranked.ranking))

@@ -14,7 +14,8 @@ pytest.importorskip("transformer_lens")
 
 from blockdiff import diff  # noqa: E402
 from blockdiff.capture import record  # noqa: E402
-from blockdiff.hookmap import ModuleOptions, resolve  # noqa: E402
+from blockdiff.autodetect import resolve  # noqa: E402
+from blockdiff.hookmap import ModuleOptions  # noqa: E402
 from blockdiff.store import MemoryStore  # noqa: E402
 from samples import transformer_lens as tl_samples  # noqa: E402
 from tests.conftest import blamed, run_cli  # noqa: E402

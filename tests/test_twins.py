@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from blockdiff import diff
-from blockdiff.sides import PrecisionSide, cast_copy, twins
+from blockdiff.sides.live import PrecisionSide
+from blockdiff.sides.precision import cast_copy, twins
 from samples import hf_families, hf_llama, tinylm
 
 IDS = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))

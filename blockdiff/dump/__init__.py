@@ -20,9 +20,13 @@ always complete. Dumps of schema 1-3 (a group per site) are still read. Reading 
 raises anything but :class:`~blockdiff.errors.DumpError` for a damaged or foreign file.
 
 The package, by role: :mod:`.format` (format name, schema version, dtype encodings,
-checksums, attributes and the metadata digest), :mod:`.writer` (:class:`DumpWriter`),
-:mod:`.reader` (:class:`DumpReader`) and :mod:`.probe` (:func:`probe_file`, the
-hostile-file probe the reader runs first).
+checksums, attributes, the metadata digest, reading the index), :mod:`.packing` (writing
+a schema-4 file without torch: datasets, index, attributes, rename), :mod:`.writer`
+(:class:`DumpWriter`: torch sites on a thread of its own, through :mod:`.packing`),
+:mod:`.reader` (:class:`DumpReader`), :mod:`.probe` (:func:`probe_file`, the hostile-file
+probe the reader runs first) and :mod:`.memory` (handing freed memory back between
+blocks). :mod:`blockdiff.dumpfile`, the writer for other runtimes, writes through
+:mod:`.packing` too.
 """
 
 from __future__ import annotations
@@ -30,16 +34,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .format import FORMAT, SCHEMA_VERSION
-# docs/dump-format.md names ``blockdiff.dump._metadata_digest`` the reference implementation.
-from .format import _metadata_digest  # noqa: F401
+# docs/dump-format.md names ``blockdiff.dump.metadata_digest`` the reference implementation.
+from .format import FORMAT, SCHEMA_VERSION, metadata_digest
 from .probe import probe_file
 
 # The reader and writer import torch: loaded on first access (PEP 562), so that
 # :mod:`blockdiff.dumpfile`, the writer for other runtimes, uses the format without torch.
 _LAZY = {"DumpReader": ".reader", "VerifySummary": ".reader", "DumpWriter": ".writer"}
 
-__all__ = ["DumpWriter", "DumpReader", "VerifySummary", "FORMAT", "SCHEMA_VERSION", "probe_file"]
+__all__ = ["DumpWriter", "DumpReader", "VerifySummary", "FORMAT", "SCHEMA_VERSION", "metadata_digest", "probe_file"]
 
 
 def __getattr__(name: str) -> Any:

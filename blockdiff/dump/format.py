@@ -1,11 +1,12 @@
-"""The dump format itself: what writer and reader must agree on.
+"""The dump format itself: what writers and reader must agree on.
 
 Format name and schema version, the file attributes the writer owns, how each torch dtype
-is stored (as itself or as raw bits), the tensor checksums of each schema, how attributes
-are written and read back through h5py's low-level API, and the metadata digest over
-every attribute and link, and the packed layout's index and datasets (schema 4): how to
-read the index, check that it tiles the datasets, and read one tensor's elements.
-:mod:`.writer` and :mod:`.reader` build on it, and so does
+is stored (as itself or as raw bits), the tensor checksums of each schema (and
+:func:`crc32c`, the one function that computes a CRC-32C), how attributes are written and
+read back through h5py's low-level API, and the metadata digest over every attribute and
+link, and the packed layout's index and datasets (schema 4): how to read the index, check
+that it tiles the datasets, and read one tensor's elements. :mod:`.packing` (writing a
+schema-4 file), :mod:`.writer` and :mod:`.reader` build on it, and so does
 :mod:`blockdiff.dumpfile` (the writer for other runtimes): this module imports no torch
 (the tables keyed by torch dtypes are built on first use); the format is documented in
 ``docs/dump-format.md``.
@@ -19,11 +20,9 @@ import json
 import os
 import zlib
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
-import google_crc32c
+import crc32c as _crc32c_library
 import h5py
 import numpy as np
 
@@ -61,13 +60,13 @@ RAW_BITS_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def _torch_tables() -> dict[str, Any]:
-    """``_NUMPY_NATIVE`` (torch dtype → numpy type) and ``_RAW_BITS`` (element size →
+    """``NUMPY_NATIVE`` (torch dtype → numpy type) and ``RAW_BITS`` (element size →
     a signed torch view, the unsigned numpy type stored, its signed numpy twin)."""
     import torch
 
     return {
-        "_NUMPY_NATIVE": {getattr(torch, name): np.dtype(name).type for name in NUMPY_NATIVE_NAMES},
-        "_RAW_BITS": {
+        "NUMPY_NATIVE": {getattr(torch, name): np.dtype(name).type for name in NUMPY_NATIVE_NAMES},
+        "RAW_BITS": {
             size: (getattr(torch, f"int{8 * size}"), unsigned, np.dtype(f"int{8 * size}").type)
             for size, unsigned in RAW_BITS_UNSIGNED.items()
         },
@@ -76,7 +75,7 @@ def _torch_tables() -> dict[str, Any]:
 
 def __getattr__(name: str) -> Any:
     # PEP 562: the torch tables exist once the writer or reader (which import torch) asks.
-    if name in ("_NUMPY_NATIVE", "_RAW_BITS"):
+    if name in ("NUMPY_NATIVE", "RAW_BITS"):
         tables = _torch_tables()
         globals().update(tables)
         return tables[name]
@@ -89,53 +88,40 @@ def _byte_view(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
-def _crc32c_without_gil() -> tuple[Any, Any]:
-    """``crc32c_value(pointer, length)`` and ``crc32c_extend(crc, pointer, length)`` of the
-    library google-crc32c wraps, called through ctypes, which lets go of the GIL during the
-    call (the extension module holds it), or ``None`` where the library is not found beside
-    the package."""
-    import ctypes
-    import glob
+def crc32c(data: Any, value: int = 0) -> int:
+    """The CRC-32C (Castagnoli) of a buffer's bytes, continuing from the CRC-32C ``value``
+    of the bytes before them: the one place blockdiff computes one.
 
-    folder = Path(google_crc32c.__file__).resolve().parent
-    for path in sorted(glob.glob(str(folder.parent / "google_crc32c.libs" / "libcrc32c*.so*"))):
-        try:
-            lib = ctypes.CDLL(path)
-            value, extend = lib.crc32c_value, lib.crc32c_extend
-        except (OSError, AttributeError):
-            continue
-        value.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-        extend.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
-        value.restype = extend.restype = ctypes.c_uint32
-        return value, extend
-    return None, None
+    ``data`` is any C-contiguous buffer (``bytes``, a numpy array, a memoryview), read in
+    place: a non-contiguous array is refused (``ValueError``), never copied. The ``crc32c``
+    package's call lets go of the GIL for the whole computation (``gil_release_mode=1``):
+    a dump writer's thread takes checksums while the forward goes on, and the reader's
+    checksum thread while the next piece is read. It runs at 12-16 GB/s on the test
+    machine (SSE4.2 instructions), zlib's CRC-32 at about 4.
+
+    >>> crc32c(b"hello world") == crc32c(b" world", crc32c(b"hello")) == 0xC99465AA
+    True
+    """
+    return _crc32c_library.crc32c(data, value=value, gil_release_mode=1)
 
 
-_CRC32C_VALUE, _CRC32C_EXTEND = _crc32c_without_gil()
-
-
-def _crc32c(arr: np.ndarray) -> str:
-    """CRC-32C (Castagnoli) of an array's bytes in C order, little-endian, as 8 hex digits.
+def tensor_crc32c(arr: np.ndarray) -> str:
+    """CRC-32C of an array's bytes in C order, little-endian, as 8 hex digits.
 
     The checksum of every tensor since schema 2. It catches every flip of up to three bits
-    and every burst of up to 32, and runs at 13-28 GB/s (SSE4.2 instructions, through
-    google-crc32c) where zlib's CRC-32 runs at 4: checksums cost a dump 0-6% of its write
-    time and about 15% of its read time (``benchmarks/overhead.py``), where zlib's cost
-    about 30%. Through ctypes where the library is found, which lets go of the GIL: a dump
-    writer's thread takes checksums while the forward goes on."""
-    data = _byte_view(arr)
-    if _CRC32C_VALUE is not None and data.nbytes:
-        return format(_CRC32C_VALUE(data.ctypes.data, data.nbytes), "08x")
-    return format(google_crc32c.value(data), "08x")
+    and every burst of up to 32, and is three to four times as fast as zlib's CRC-32
+    (:func:`crc32c`): checksums cost a dump 0-6% of its write time and about 15% of its
+    read time (``benchmarks/overhead.py``), where zlib's cost about 30%."""
+    return format(crc32c(_byte_view(arr)), "08x")
 
 
-def _crc32(arr: np.ndarray) -> str:
+def tensor_crc32(arr: np.ndarray) -> str:
     """zlib's CRC-32 of the same bytes: the checksum of schema-1 dumps (blockdiff 0.1)."""
     return format(zlib.crc32(_byte_view(arr)), "08x")
 
 
 # Checksum attribute of a tensor dataset -> how to compute it. A dump holds one kind.
-_CHECKSUMS = {"crc32c": _crc32c, "crc32": _crc32}
+CHECKSUMS = {"crc32c": tensor_crc32c, "crc32": tensor_crc32}
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,7 +143,7 @@ def _string_type(size: int) -> h5py.h5t.TypeID:
     return tid
 
 
-def _set_attr(obj: h5py.HLObject | h5py.h5d.DatasetID, name: str, value: Any) -> Any:
+def set_attr(obj: h5py.HLObject | h5py.h5d.DatasetID, name: str, value: Any) -> Any:
     """Write one scalar attribute; strings as fixed-length UTF-8.
 
     Variable-length strings live in HDF5's global heap, which has no checksum: a flipped
@@ -226,12 +212,12 @@ def _raw_attr(obj: h5py.HLObject, name: str) -> Any:
     return out[()]
 
 
-def _attr(obj: h5py.HLObject, name: str) -> Any:
+def attr(obj: h5py.HLObject, name: str) -> Any:
     """An attribute as a Python value (str, int, float, bool)."""
-    return _decode_attr(_raw_attr(obj, name))
+    return decode_attr(_raw_attr(obj, name))
 
 
-def _encode_meta(key: str, value: Any) -> tuple[Any, bool]:
+def encode_meta(key: str, value: Any) -> tuple[Any, bool]:
     """A meta value as stored: ``(value, is_json)``; str, int (int64), float and bool as
     themselves, anything else JSON-serializable as a JSON string."""
     if isinstance(value, np.generic):
@@ -251,7 +237,8 @@ def _encode_meta(key: str, value: Any) -> tuple[Any, bool]:
         ) from exc
 
 
-def _decode_attr(value: Any) -> Any:
+def decode_attr(value: Any) -> Any:
+    """An attribute as read (see :func:`set_attr`) as a Python value."""
     if isinstance(value, bytes):  # np.bytes_ too: fixed-length strings
         return value.decode("utf-8")
     if isinstance(value, np.generic):
@@ -262,9 +249,9 @@ def _decode_attr(value: Any) -> Any:
 
 
 @dataclass
-class _Object:
+class Link:
     """One link of a dump as the metadata digest sees it: a group, or a dataset with its
-    dtype and shape, and its attributes as read back (see :func:`_set_attr`)."""
+    dtype and shape, and its attributes as read back (see :func:`set_attr`)."""
 
     kind: str  # "group" or "dataset"
     attrs: dict[str, Any]
@@ -281,7 +268,7 @@ def _canonical(value: Any) -> bytes:
     return b"n" + arr.dtype.str.encode() + repr(arr.shape).encode() + arr.tobytes()
 
 
-def _digest(root: dict[str, Any], objects: dict[str, _Object]) -> str:
+def digest(root: dict[str, Any], links: dict[str, Link]) -> str:
     """sha256 over the file's attributes (but the two written after it) and every link's
     path, kind and attributes (a dataset's dtype and shape too), in sorted order.
 
@@ -300,8 +287,8 @@ def _digest(root: dict[str, Any], objects: dict[str, _Object]) -> str:
                 feed(b"attr", name.encode("utf-8", "surrogatepass"), _canonical(attrs[name]))
 
     feed_attrs(root)
-    for path in sorted(objects):
-        obj = objects[path]
+    for path in sorted(links):
+        obj = links[path]
         feed(obj.kind.encode(), path.encode("utf-8", "surrogatepass"))
         if obj.kind == "dataset":
             feed(obj.dtype.encode(), repr(obj.shape).encode())
@@ -309,13 +296,14 @@ def _digest(root: dict[str, Any], objects: dict[str, _Object]) -> str:
     return h.hexdigest()
 
 
-def _attributes(obj: h5py.HLObject) -> dict[str, Any]:
+def attributes(obj: h5py.HLObject) -> dict[str, Any]:
+    """Every attribute of an object, as read (checked, not decoded)."""
     return {name: _raw_attr(obj, name) for name in obj.attrs.keys()}
 
 
-def _objects(f: h5py.File) -> dict[str, _Object]:
-    """Every link below the file's root: path -> :class:`_Object`, attributes read once."""
-    objects: dict[str, _Object] = {}
+def links(f: h5py.File) -> dict[str, Link]:
+    """Every link below the file's root: path -> :class:`Link`, attributes read once."""
+    objects: dict[str, Link] = {}
 
     def walk(group: h5py.Group, prefix: str) -> None:
         # Every link, not every object: a tensor shared by two sites is one dataset with
@@ -324,9 +312,9 @@ def _objects(f: h5py.File) -> dict[str, _Object]:
             path = f"{prefix}{name}"
             obj = group[name]
             if isinstance(obj, h5py.Dataset):
-                objects[path] = _Object("dataset", _attributes(obj), obj.dtype.str, obj.shape)
+                objects[path] = Link("dataset", attributes(obj), obj.dtype.str, obj.shape)
             else:
-                objects[path] = _Object("group", _attributes(obj))
+                objects[path] = Link("group", attributes(obj))
                 if isinstance(obj, h5py.Group):
                     walk(obj, path + "/")
 
@@ -334,132 +322,22 @@ def _objects(f: h5py.File) -> dict[str, _Object]:
     return objects
 
 
-def _metadata_digest(f: h5py.File) -> str:
-    """The metadata digest of an open file, read from the file."""
-    return _digest(_attributes(f), _objects(f))
+def metadata_digest(f: h5py.File) -> str:
+    """The metadata digest of an open file, read from the file: the reference
+    implementation ``docs/dump-format.md`` names."""
+    return digest(attributes(f), links(f))
 
-
-# ---------------------------------------------------------------------------------------
-# what both writers record
-
-
-def site_record(site: Any) -> dict[str, Any]:
-    """A site's place in the run as a dump records it (an index entry, or a site group's
-    attributes): ``block`` ``-1`` outside the blocks, ``subpath`` ``""`` for a block's own
-    call and outside sites; ``order``, the start order of the call (a block starts before
-    its modules)."""
-    return {
-        "stage": str(site.stage),
-        "block": -1 if site.block is None else int(site.block),
-        "subpath": site.subpath or "",
-        "module": str(site.module),
-        "call": int(site.call),
-        "ordinal": int(site.ordinal),
-        "order": int(site.order),
-    }
-
-
-def file_attributes(schema: int, torch_version: str) -> dict[str, Any]:
-    """The file attributes a writer owns, but the meta digest and ``complete``."""
-    from .._version import __version__
-
-    return {
-        "format": FORMAT,
-        "schema_version": schema,
-        "blockdiff_version": str(__version__),
-        "torch_version": torch_version,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-# ---------------------------------------------------------------------------------------
-# writing: the file format both writers use, the schema-3 dataset per tensor that the
-# writer for other runtimes writes, and the end of every dump
 
 # The HDF5 1.10 file format: object headers, B-trees and chunk indexes carry checksums,
 # so libhdf5 itself rejects most damage to the file's structure.
 LIBVER = ("v110", "v110")
-# One chunk per tensor up to this size: fewer, larger chunks write and checksum faster.
-_CHUNK_BYTES = 256 * 2**20
-
-
-def write_array(
-    group: h5py.Group,
-    name: str,
-    arr: np.ndarray,
-    dtype: str,
-    shape: list[int],
-    *,
-    compression: dict[str, Any] | None = None,
-    checksums: bool = True,
-) -> _Object:
-    """Schema 3: dataset ``name`` of ``group`` holding ``arr`` (a tensor as stored: C order, its own
-    dtype or raw bits, a scalar as ``(1,)``), with the attributes every tensor has —
-    ``torch_dtype`` (``dtype``), ``shape``, ``crc32c`` — and what the metadata digest
-    records of it."""
-    if not compression and 0 < arr.nbytes <= _CHUNK_BYTES:
-        # One chunk, no filter: written as it is, past h5py's selection and conversion
-        # (and its high-level dataset creation, a third of the cost of a small tensor).
-        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-        dcpl.set_chunk(arr.shape)
-        dcpl.set_obj_track_times(False)
-        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # the one chunk is written at once
-        dset = h5py.h5d.create(
-            group.id, name.encode(), h5py.h5t.py_create(arr.dtype, logical=1), h5py.h5s.create_simple(arr.shape), dcpl=dcpl
-        )
-        dset.write_direct_chunk((0,) * arr.ndim, arr)
-    else:
-        # fletcher32 guards compressed chunks before they reach the decompressor; raw
-        # chunks are guarded by the CRC-32C alone (a second pass over the data bought nothing).
-        chunks = True if arr.size == 0 or arr.nbytes > _CHUNK_BYTES else arr.shape
-        dset = group.create_dataset(
-            name, data=arr, chunks=chunks, fletcher32=checksums and bool(compression), **(compression or {})
-        )
-    attrs = {"torch_dtype": _set_attr(dset, "torch_dtype", dtype), "shape": _set_attr(dset, "shape", json.dumps(shape))}
-    if checksums:
-        attrs["crc32c"] = _set_attr(dset, "crc32c", _crc32c(arr))
-    return _Object("dataset", attrs, arr.dtype.str, arr.shape)
-
-
-def finish_file(
-    f: h5py.File, root: dict[str, Any], objects: dict[str, _Object], tmp_path: Path, path: Path, *, durable: bool
-) -> None:
-    """The end of every dump: the metadata digest over ``root`` (the file attributes as
-    stored) and ``objects``, ``complete`` last, then the file closed and renamed to
-    ``path`` (atomic: the file is there whole, or not at all); ``durable``: flushed to disk
-    before the rename, and the folder after it."""
-    _set_attr(f, "metadata_digest", _digest(root, objects))
-    _set_attr(f, "complete", True)
-    f.close()
-    if durable:
-        _fsync(tmp_path)
-    os.replace(tmp_path, path)
-    if durable:
-        _fsync(path.parent)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file or directory to disk, where the platform allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems cannot fsync a directory; the rename is still atomic
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------
 # the packed layout (schema 4): 1-D datasets of each stored dtype under /tensors (contiguous,
-# one per batch the writer's thread wrote; compressed dumps: one chunked dataset per dtype),
-# and a JSON index (/index) saying where each tensor is and which sites mention it
+# one per batch written; compressed dumps: one chunked dataset per dtype), and a JSON index
+# (/index) saying where each tensor is and which sites mention it
 
-# Chunk size of compressed dumps' datasets: 1 MiB wrote fastest of 256 KiB, 1 MiB and 4 MiB
-# (``benchmarks/dump_layouts.py``). A dataset smaller than one chunk is one chunk of its size.
-PACKED_CHUNK_BYTES = 1 << 20
 # Bounds on what a reader accepts before it reads the index (a damaged size must not
 # make it allocate without limit).
 _INDEX_MAX_BYTES = 1 << 31
@@ -488,8 +366,8 @@ def read_index(f: h5py.File) -> dict[str, Any]:
     out = np.empty((), dtype=f"S{size}")
     dset.id.read(h5py.h5s.ALL, h5py.h5s.ALL, out, mtype=tid)
     data = out.tobytes().rstrip(b"\0")
-    crc = _attr(dset, "crc32c") if "crc32c" in dset.attrs else None
-    if crc is not None and format(google_crc32c.value(data), "08x") != crc:
+    crc = attr(dset, "crc32c") if "crc32c" in dset.attrs else None
+    if crc is not None and format(crc32c(data), "08x") != crc:
         raise ValueError("/index digest mismatch")
     index = json.loads(data)
     if not isinstance(index, dict) or not isinstance(index.get("tensors"), list) or not isinstance(index.get("sites"), list):
@@ -529,7 +407,7 @@ def read_packed(dset: h5py.Dataset, entry: dict[str, Any], stored: np.dtype, fd:
     arr = np.empty(count, dtype=stored)
     if dset.dtype != stored or dset.ndim != 1 or offset + count > dset.shape[0]:
         raise ValueError(f"tensors/{entry['data']} holds {dset.dtype} x {dset.shape}, not {count} {stored} at {offset}")
-    if fd is not None and arr.nbytes >= 2 * _READ_PIECE and _CRC32C_EXTEND is not None and hasattr(os, "preadv"):
+    if fd is not None and arr.nbytes >= 2 * _READ_PIECE and hasattr(os, "preadv"):
         start = dset.id.get_offset()
         if start is not None and dset.id.get_storage_size() == dset.shape[0] * arr.itemsize:
             return arr, _read_summing(fd, start + offset * arr.itemsize, arr)
@@ -558,12 +436,11 @@ def _summer() -> Any:
 def _read_summing(fd: int, position: int, arr: np.ndarray) -> str:
     """Fill ``arr`` with the bytes at ``position`` of the file; returns their CRC-32C."""
     summer = _summer()
-    data = arr.view(np.uint8)
-    view, base = memoryview(data), data.ctypes.data
+    view = memoryview(arr.view(np.uint8))
     crc, taking = 0, None
     try:
-        for start in range(0, data.nbytes, _READ_PIECE):
-            end = min(start + _READ_PIECE, data.nbytes)
+        for start in range(0, view.nbytes, _READ_PIECE):
+            end = min(start + _READ_PIECE, view.nbytes)
             pos = start
             while pos < end:
                 got = os.preadv(fd, [view[pos:end]], position + pos)
@@ -572,7 +449,7 @@ def _read_summing(fd: int, position: int, arr: np.ndarray) -> str:
                 pos += got
             if taking is not None:
                 crc, taking = taking.result(), None
-            taking = summer.submit(_CRC32C_EXTEND, crc, base + start, end - start)
+            taking = summer.submit(crc32c, view[start:end], crc)
         crc, taking = taking.result(), None
     finally:
         if taking is not None:  # a read failed: the other thread must be done with arr first

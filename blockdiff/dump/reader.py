@@ -24,24 +24,24 @@ import torch
 from ..dtypes import stored_dtype
 from ..errors import DumpError
 from ..site import Opaque, Site, describe_key
-from ..store import release_freed_memory
 from .format import (
-    _CHECKSUMS,
-    _NUMPY_NATIVE,
-    _RAW_BITS,
+    CHECKSUMS,
     FORMAT,
+    NUMPY_NATIVE,
     PACKED_SCHEMA,
+    RAW_BITS,
     SCHEMA_VERSION,
-    _attr,
-    _attributes,
-    _decode_attr,
-    _digest,
-    _Object,
-    _objects,
+    Link,
+    attr,
+    attributes,
     check_packing,
+    decode_attr,
+    digest,
+    links,
     read_index,
     read_packed,
 )
+from .memory import release_freed_memory
 from .probe import probe_file
 
 # bool is an HDF5 enum, complex a compound of two floats.
@@ -105,20 +105,20 @@ class _Decoder:
 
 def _stored_as(dtype: torch.dtype) -> np.dtype:
     """The numpy dtype a dump stores a torch dtype as (itself, or its raw bits)."""
-    if dtype in _NUMPY_NATIVE:
-        return np.dtype(_NUMPY_NATIVE[dtype])
+    if dtype in NUMPY_NATIVE:
+        return np.dtype(NUMPY_NATIVE[dtype])
     size = torch.empty((), dtype=dtype).element_size()
-    if size not in _RAW_BITS:
+    if size not in RAW_BITS:
         raise ValueError(f"cannot hold {dtype} as raw bits")
-    return np.dtype(_RAW_BITS[size][1])
+    return np.dtype(RAW_BITS[size][1])
 
 
 def _as_tensor(arr: np.ndarray, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     """Stored elements (its own dtype, or raw bits) as the tensor they stand for."""
     arr = arr.reshape(shape)
-    if dtype in _NUMPY_NATIVE:
+    if dtype in NUMPY_NATIVE:
         return torch.from_numpy(arr)
-    return torch.from_numpy(arr.view(_RAW_BITS[arr.dtype.itemsize][2])).view(dtype)
+    return torch.from_numpy(arr.view(RAW_BITS[arr.dtype.itemsize][2])).view(dtype)
 
 
 def _shape(value: Any) -> list[int]:
@@ -131,10 +131,10 @@ def _shape(value: Any) -> list[int]:
 def _verified(arr: np.ndarray, checksums: dict[str, Any], ref: Any, crc32c: str | None = None) -> None:
     """Check ``arr`` against the first checksum ``checksums`` has (``crc32c``, ``crc32``);
     ``crc32c``: the array's CRC-32C, when it was taken as it was read."""
-    kind = next((k for k in _CHECKSUMS if k in checksums), None)
+    kind = next((k for k in CHECKSUMS if k in checksums), None)
     if kind is None:
         raise ValueError(f"tensor {ref} has no checksum (a dump written with checksums off): read it with verify=False")
-    found = crc32c if kind == "crc32c" and crc32c is not None else _CHECKSUMS[kind](arr)
+    found = crc32c if kind == "crc32c" and crc32c is not None else CHECKSUMS[kind](arr)
     if found != checksums[kind]:
         raise _DigestMismatch(ref)
 
@@ -143,7 +143,7 @@ class _GroupTensors:
     """Tensors of one site group of a dump before schema 4: datasets ``t0``, ``t1``, ...
     with their dtype, shape and checksum as attributes."""
 
-    def __init__(self, group: h5py.Group, path: str, objects: dict[str, _Object]) -> None:
+    def __init__(self, group: h5py.Group, path: str, objects: dict[str, Link]) -> None:
         self.group = group
         self.path = path
         self.objects = objects  # the reader's index: attributes as read (and digested) at open
@@ -154,7 +154,7 @@ class _GroupTensors:
         if entry is None or entry.kind != "dataset":
             raise ValueError(f"{ref!r} is not a dataset")
         dset = self.group[ref]
-        attrs = {k: _decode_attr(v) for k, v in entry.attrs.items()}
+        attrs = {k: decode_attr(v) for k, v in entry.attrs.items()}
         dtype = stored_dtype(attrs["torch_dtype"])
         shape = _shape(json.loads(attrs["shape"]))
         stored = _stored_as(dtype)
@@ -259,7 +259,7 @@ class DumpReader:
         self._fd: int | None = None
         self.meta: dict[str, Any] = {}
         self._entries: list[_Entry] = []
-        self._objects: dict[str, _Object] = {}  # every link, its attributes read once at open
+        self._objects: dict[str, Link] = {}  # every link, its attributes read once at open
         self._packed = False  # schema 4: tensors in /tensors, sites in /index
         self._index: dict[str, Any] = {}
         self._data: dict[str, h5py.Dataset] = {}
@@ -290,13 +290,13 @@ class DumpReader:
         f = self._file
         where = str(self.path)
         try:
-            fmt = _attr(f, "format") if "format" in f.attrs else None
+            fmt = attr(f, "format") if "format" in f.attrs else None
         except Exception:
             fmt = None  # a foreign file's "format" may be anything
         if fmt != FORMAT:
             raise DumpError(f"{where} is an HDF5 file but not a blockdiff dump", path=where)
-        root = _attributes(f)
-        attrs = {k: _decode_attr(v) for k, v in root.items()}
+        root = attributes(f)
+        attrs = {k: decode_attr(v) for k, v in root.items()}
         version = attrs.get("schema_version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise DumpError(f"{where} has an invalid schema version {version!r}: the file is damaged", path=where)
@@ -308,8 +308,8 @@ class DumpReader:
             )
         if attrs.get("complete") is not True:
             raise DumpError(f"{where} is incomplete (the capture did not finish)", path=where)
-        self._objects = _objects(f)
-        if attrs.get("metadata_digest") != _digest(root, self._objects):
+        self._objects = links(f)
+        if attrs.get("metadata_digest") != digest(root, self._objects):
             raise DumpError(f"{where} metadata digest mismatch: the file is damaged", path=where)
 
         meta = {k: v for k, v in attrs.items() if k != "json_attributes"}
@@ -330,7 +330,7 @@ class DumpReader:
         """Schema 4: the sites of the JSON index, after checking that its tensor entries tile
         the packed datasets."""
         f = self._file
-        if self._objects.get("tensors", _Object("dataset", {})).kind != "group":
+        if self._objects.get("tensors", Link("dataset", {})).kind != "group":
             raise ValueError("/tensors is missing or not a group")
         self._data = {}
         for path, obj in self._objects.items():
@@ -350,7 +350,7 @@ class DumpReader:
 
     def _group_entries(self) -> list[_Entry]:
         """Before schema 4: a group per site under /sites, its attributes as read at open."""
-        if self._objects.get("sites", _Object("dataset", {})).kind != "group":
+        if self._objects.get("sites", Link("dataset", {})).kind != "group":
             raise ValueError("/sites is missing or not a group")
         entries = []
         for path, obj in self._objects.items():
@@ -359,7 +359,7 @@ class DumpReader:
                 continue
             if obj.kind != "group":
                 raise ValueError(f"/{path} is not a group")
-            entries.append(_Entry(name, _site_of({k: _decode_attr(v) for k, v in obj.attrs.items()})))
+            entries.append(_Entry(name, _site_of({k: decode_attr(v) for k, v in obj.attrs.items()})))
         return entries
 
     # -- SiteStore (read side)
@@ -475,7 +475,7 @@ class DumpReader:
             structure, load = e.structure, self._packed_tensor
         else:
             path = f"sites/{e.name}"
-            structure = json.loads(_decode_attr(self._objects[path].attrs["structure"]))
+            structure = json.loads(decode_attr(self._objects[path].attrs["structure"]))
             load = _GroupTensors(self._open_file()[path], path, self._objects)
         dec = _Decoder(load, verify=self.verify if verify is None else verify)
         if not isinstance(structure, dict) or set(structure) != {"args", "kwargs", "output"}:
@@ -495,7 +495,7 @@ class DumpReader:
             return None if self._index.get(name) is None else (self._index[name], self._packed_tensor)
         if name not in self._objects:
             return None
-        structure = json.loads(_decode_attr(self._objects[name].attrs["structure"]))
+        structure = json.loads(decode_attr(self._objects[name].attrs["structure"]))
         return structure, _GroupTensors(self._open_file()[name], name, self._objects)
 
     def _whole(self, name: str, absent: Any, *, verify: bool | None = None) -> tuple[Any, _Decoder | None]:

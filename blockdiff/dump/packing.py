@@ -1,0 +1,544 @@
+"""Writing a schema-4 dump, without torch: what both writers write through.
+
+:class:`PackedFile` is one dump being written under its temporary name: the file
+attributes and meta, the tensors' elements in 1-D datasets of their stored dtype under
+``/tensors`` (uncompressed: one contiguous dataset per stored dtype per batch, whose bytes
+it writes itself, :class:`_Contiguous`; compressed: one chunked dataset per stored dtype,
+appended to through libhdf5's filters, :class:`_Chunked`), the JSON index with its
+CRC-32C, the metadata digest, ``complete`` last, and the atomic rename
+(``docs/dump-format.md``). It knows a tensor only as a :class:`StoredTensor`: its index
+entry and its elements as stored. How a torch tensor (:class:`~.writer.DumpWriter`, on
+its own thread) or another runtime's array (:class:`~blockdiff.dumpfile.ForeignDumpWriter`)
+becomes one, and the sites' structures, are each writer's own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+
+import h5py
+import numpy as np
+
+from ..errors import DumpError
+from .format import FORMAT, LIBVER, SCHEMA_VERSION, Link, crc32c, digest, set_attr, stored_name, tensor_crc32c
+
+# How each ``compress`` option is stored: the filters of every chunk.
+COMPRESSIONS: dict[str | None, dict[str, Any]] = {
+    None: {},
+    "lzf": {"compression": "lzf", "shuffle": True},
+    "gzip": {"compression": "gzip", "compression_opts": 4, "shuffle": True},
+}
+# Chunk size of compressed dumps' datasets: 1 MiB wrote fastest of 256 KiB, 1 MiB and 4 MiB
+# (measured when the layout was chosen: docs/performance.md). A dataset smaller than
+# one chunk is one chunk of its size.
+PACKED_CHUNK_BYTES = 1 << 20
+# Datasets of this many bytes or more start at a multiple of this many bytes in the file.
+_ALIGN_ABOVE, _ALIGN = 64 * 2**10, 4096
+# A durable dump starts writing dirty pages back to disk every this many bytes, so the
+# fsync at close waits for the tail only (Linux; elsewhere the fsync does it all).
+_WRITEBACK_BYTES = 8 * 2**20
+
+
+# ---------------------------------------------------------------------------------------
+# what both writers record
+
+
+def site_record(site: Any) -> dict[str, Any]:
+    """A site's place in the run as a dump records it (its index entry): ``block`` ``-1``
+    outside the blocks, ``subpath`` ``""`` for a block's own call and outside sites;
+    ``order``, the start order of the call (a block starts before its modules)."""
+    return {
+        "stage": str(site.stage),
+        "block": -1 if site.block is None else int(site.block),
+        "subpath": site.subpath or "",
+        "module": str(site.module),
+        "call": int(site.call),
+        "ordinal": int(site.ordinal),
+        "order": int(site.order),
+    }
+
+
+def file_attributes(torch_version: str) -> dict[str, Any]:
+    """The file attributes a writer owns, but the meta digest and ``complete``."""
+    from .._version import __version__
+
+    return {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "blockdiff_version": str(__version__),
+        "torch_version": torch_version,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def elements(arr: np.ndarray) -> np.ndarray:
+    """An array's elements as a dump stores them: 1-D, C order, little-endian (a view of
+    the array when it already is)."""
+    return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).reshape(-1)
+
+
+class StoredTensor:
+    """One tensor on its way into a dump: its index entry (``count``, ``dtype``, ``shape``;
+    ``data`` and ``offset`` once :meth:`PackedFile.place` gave it its place, ``crc32c``
+    once :meth:`take_checksum` ran) and ``flat``, its elements as stored (:func:`elements`
+    of its own dtype or of its raw bits)."""
+
+    __slots__ = ("entry", "flat")
+
+    def __init__(self, flat: np.ndarray, dtype: str, shape: list[int]) -> None:
+        self.flat = flat
+        self.entry: dict[str, Any] = {"data": None, "offset": None, "count": int(flat.size), "dtype": dtype, "shape": shape}
+
+    def take_checksum(self) -> None:
+        self.entry["crc32c"] = tensor_crc32c(self.flat)
+
+
+def encode_index(tensors: list[dict[str, Any]], sites: list[dict[str, Any]], structures: dict[str, Any]) -> bytes:
+    """The JSON index of a dump: the tensors' entries, the site records (each with its
+    ``structure``), and the whole structures (``inputs``, ``floors``) the writer has."""
+    index = {"tensors": tensors, "sites": sites, **structures}
+    return json.dumps(index, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------
+# the file
+
+
+T = TypeVar("T", bound=StoredTensor)
+
+
+class PackedFile:
+    """A schema-4 dump being written at ``.NAME.tmp-PID`` beside ``path``.
+
+    Creating it creates the file with the file attributes, the ``meta`` entries and
+    ``/tensors``; :meth:`place` gives each tensor of a batch its dataset and offset,
+    :meth:`write` writes a dataset's tensors of the batch, :meth:`finish` writes the index
+    and renames the file to ``path``, :meth:`abort` removes it. It records what the
+    metadata digest covers as it writes it (never reading it back). Not thread-safe:
+    :class:`~.writer.DumpWriter` places on the caller's thread and makes every libhdf5
+    call on its own, one after the other.
+
+    Args:
+        path: where the finished dump goes.
+        torch_version: the ``torch_version`` attribute (``""`` when no torch wrote it).
+        meta: the meta entries as stored, ``(key, value, is_json)`` (see
+            :func:`~.format.encode_meta`).
+        compress: a key of :data:`COMPRESSIONS`.
+        checksums: ``False``: no fletcher32 filter (compressed) nor index CRC-32C.
+        durable: flushed to disk before the rename, and the folder after it.
+
+    Raises:
+        DumpError: the file cannot be created (saying why in the user's words).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        torch_version: str,
+        meta: list[tuple[str, Any, bool]],
+        compress: str | None = None,
+        checksums: bool = True,
+        durable: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self.tmp_path = temporary_path(self.path)
+        self.checksums = checksums
+        self.durable = durable
+        self._compression = COMPRESSIONS[compress]
+        # What the metadata digest covers, recorded as it is written.
+        self._root: dict[str, Any] = {}
+        self._links: dict[str, Link] = {}
+        self._meta_keys: list[str] = []
+        self._meta_written: list[tuple[str, Any, bool]] | None = None
+        # Given out per stored dtype: datasets (``float32.N``), or in a compressed dump the
+        # elements of its one dataset (``float32``).
+        self._given: dict[str, int] = {}
+        self._chunked: dict[str, _Chunked] = {}
+        self._unsynced = 0
+        self._renamed = False
+        try:
+            # Tensor data starts on a page boundary (whole pages of the page cache).
+            self._file: h5py.File | None = h5py.File(
+                self.tmp_path, "w", libver=LIBVER, alignment_threshold=_ALIGN_ABOVE, alignment_interval=_ALIGN
+            )
+        except Exception as exc:
+            problem = folder_problem(self.path.parent) or one_line(exc)
+            raise DumpError(f"{self.path}: cannot create the dump: {problem}", path=str(self.path)) from exc
+        try:
+            f = self._file
+            for key, value in file_attributes(torch_version).items():
+                self._root[key] = set_attr(f, key, value)
+            self.write_meta(meta)
+            self._group = f.create_group("tensors")
+            self._links["tensors"] = Link("group", {})
+            handle = f.id.get_vfd_handle()
+            fd = handle if isinstance(handle, int) else None  # libhdf5's, on POSIX
+            self._contiguous = None if self._compression else _Contiguous(self._group, fd)
+            self._writeback_fd = fd if durable and _SYNC_FILE_RANGE is not None else None
+        except BaseException:
+            self.abort()
+            raise
+
+    def write_meta(self, meta: list[tuple[str, Any, bool]]) -> None:
+        """The meta entries as file attributes, and ``json_attributes`` naming the JSON
+        ones; those written before are replaced (a writer's ``meta`` may change until it
+        closes), unless they are the same."""
+        if meta == self._meta_written:
+            return
+        f = self._open()
+        for key in [*self._meta_keys, "json_attributes"]:
+            if key in f.attrs:
+                del f.attrs[key]
+                del self._root[key]
+        json_keys = []
+        for key, stored, is_json in meta:
+            self._root[key] = set_attr(f, key, stored)
+            if is_json:
+                json_keys.append(key)
+        self._root["json_attributes"] = set_attr(f, "json_attributes", json.dumps(json_keys))
+        self._meta_keys = [key for key, _, _ in meta]
+        self._meta_written = meta
+
+    def place(self, batch: Sequence[T]) -> list[tuple[str, list[T]]]:
+        """Where each tensor of a batch goes (its entry's ``data`` and ``offset``):
+        uncompressed, a new dataset per stored dtype (``float32.3``); compressed, the end
+        of its dtype's one dataset (``float32``). Returns the tensors by dataset, for
+        :meth:`write`, in the order they must be written."""
+        groups: dict[str, list[T]] = {}
+        for t in batch:
+            groups.setdefault(stored_name(t.flat.dtype), []).append(t)
+        compressed = bool(self._compression)
+        out = []
+        for base, items in groups.items():
+            given = self._given.get(base, 0)
+            name, offset = (base, given) if compressed else (f"{base}.{given}", 0)
+            for t in items:
+                t.entry["data"], t.entry["offset"] = name, offset
+                offset += t.flat.size
+            self._given[base] = offset if compressed else given + 1
+            out.append((name, items))
+        return out
+
+    def write(self, name: str, tensors: Sequence[StoredTensor]) -> None:
+        """The tensors :meth:`place` put in dataset ``name`` in one batch."""
+        self._open()
+        if self._contiguous is not None:
+            self._links[f"tensors/{name}"] = self._contiguous.write(name, tensors[0].flat.dtype, [t.flat for t in tensors])
+        else:
+            chunked = self._chunked.get(name)
+            if chunked is None:
+                chunked = self._chunked[name] = _Chunked(
+                    self._group, name, tensors[0].flat.dtype, self._compression, self.checksums
+                )
+            for t in tensors:
+                chunked.append(t.flat)
+        if self._writeback_fd is not None:
+            self._unsynced += sum(t.flat.nbytes for t in tensors)
+            if self._unsynced >= _WRITEBACK_BYTES:
+                # Dirty pages start going to disk now, while the writer goes on.
+                self._unsynced = 0
+                _SYNC_FILE_RANGE(self._writeback_fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+    def finish(self, index: bytes) -> None:
+        """The end of the dump: what compressed datasets still hold back, ``/index`` (the
+        bytes of :func:`encode_index`), the metadata digest, ``complete`` last; the file
+        closed and renamed to ``path`` (atomic: the file is there whole, or not at all),
+        flushed to disk before the rename and the folder after it when ``durable``. A
+        failure removes the temporary file, and raises."""
+        try:
+            f = self._open()
+            for name, chunked in self._chunked.items():
+                self._links[f"tensors/{name}"] = chunked.finish()
+            self._write_index(f, index)
+            set_attr(f, "metadata_digest", digest(self._root, self._links))
+            set_attr(f, "complete", True)
+            f.close()
+            self._file = None
+            if self.durable:
+                _fsync(self.tmp_path)
+            os.replace(self.tmp_path, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self._renamed = True  # nothing of this writer's to remove any more
+        if self.durable:
+            _fsync(self.path.parent)
+
+    def abort(self) -> None:
+        """Discard the dump: the file closed and removed; nothing at ``path``."""
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except Exception:
+                pass  # the file is being thrown away; its removal below is what matters
+        if not self._renamed:
+            try:
+                os.remove(self.tmp_path)
+            except FileNotFoundError:
+                pass
+
+    def _open(self) -> h5py.File:
+        if self._file is None:
+            raise DumpError(f"{self.path}: the dump was closed", path=str(self.path))
+        return self._file
+
+    def _write_index(self, f: h5py.File, data: bytes) -> None:
+        """``/index``: one fixed-length UTF-8 string of JSON (inside the file's checksummed
+        structures, unlike a variable-length one) and its CRC-32C."""
+        size = max(len(data), 1)
+        tid = h5py.h5t.C_S1.copy()
+        tid.set_size(size)
+        tid.set_cset(h5py.h5t.CSET_UTF8)
+        tid.set_strpad(h5py.h5t.STR_NULLPAD)
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_obj_track_times(False)
+        dset = h5py.h5d.create(f.id, b"index", tid, h5py.h5s.create(h5py.h5s.SCALAR), dcpl=dcpl)
+        dset.write(h5py.h5s.ALL, h5py.h5s.ALL, np.array(data, dtype=f"S{size}"), mtype=tid)
+        attrs = {}
+        if self.checksums:
+            attrs["crc32c"] = set_attr(dset, "crc32c", format(crc32c(data), "08x"))
+        self._links["index"] = Link("dataset", attrs, np.dtype(f"S{size}").str, ())
+
+
+def temporary_path(path: Path) -> Path:
+    """Where a dump is written until it is complete: ``.NAME.tmp-PID`` beside it."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why a file cannot be created in ``folder``, in the user's words, or ``None`` when
+    the folder looks fine (libhdf5's own message names the temporary file and its
+    internals)."""
+    if not folder.exists():
+        return f"the folder {folder} does not exist"
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    return None
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (libhdf5's carry the time, newline included)."""
+    return " ".join(str(exc).split())
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or directory to disk, where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def _sync_file_range() -> Callable | None:
+    """Linux's ``sync_file_range`` (Python's ``os`` does not wrap it) through libc, or
+    ``None`` elsewhere. ctypes lets go of the GIL during the call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writing dirty pages back; do not wait
+
+
+# ---------------------------------------------------------------------------------------
+# the datasets
+
+
+class _Chunked:
+    """A compressed dump's dataset of one stored dtype, ``tensors/<dtype>``: elements
+    appended in order through libhdf5's filters, in whole 1 MiB chunks as they fill (a
+    staging buffer collects what does not fill one)."""
+
+    def __init__(self, group: h5py.Group, name: str, dtype: np.dtype, compression: dict[str, Any], checksums: bool) -> None:
+        self.group = group
+        self.name = name
+        self.dtype = np.dtype(dtype)
+        self.chunk = max(1, PACKED_CHUNK_BYTES // self.dtype.itemsize)
+        self.compression = compression
+        self.checksums = checksums
+        self.buffer: np.ndarray | None = None
+        self.fill = 0  # elements in the staging buffer
+        self.chunks = 0  # whole chunks written
+        self.dset: h5py.h5d.DatasetID | None = None
+        self.extent = 0  # the dataset's extent: whole chunks written, and room for more
+
+    @property
+    def length(self) -> int:
+        return self.chunks * self.chunk + self.fill
+
+    def append(self, flat: np.ndarray) -> None:
+        pos, n = 0, flat.size
+        while pos < n:
+            if self.fill == 0 and n - pos >= self.chunk:  # a whole chunk straight from the tensor
+                self._write(flat[pos : pos + self.chunk], self.chunk)
+                pos += self.chunk
+                continue
+            if self.buffer is None:
+                self.buffer = np.empty(self.chunk, dtype=self.dtype)
+            take = min(self.chunk - self.fill, n - pos)
+            self.buffer[self.fill : self.fill + take] = flat[pos : pos + take]
+            self.fill += take
+            pos += take
+            if self.fill == self.chunk:
+                self.fill = 0
+                self._write(self.buffer, self.chunk)
+
+    def finish(self) -> Link:
+        """Write what is left; returns what the metadata digest records of the dataset."""
+        length = self.length
+        if self.dset is None:
+            # Smaller than one chunk: one chunk of exactly its size.
+            self.chunk = max(self.fill, 1)
+            self._create()
+        if self.fill:
+            self._write(self.buffer[: self.fill], self.fill)
+        self.dset.set_extent((length,))
+        self.fill = 0
+        return Link("dataset", {}, self.dtype.str, (length,))
+
+    def _create(self) -> None:
+        # fletcher32 guards compressed chunks before they reach the decompressor.
+        dset = self.group.create_dataset(
+            self.name, shape=(0,), maxshape=(None,), chunks=(self.chunk,), dtype=self.dtype,
+            fletcher32=self.checksums, track_times=False, **self.compression,
+        )
+        self.dset = dset.id
+
+    def _write(self, data: np.ndarray, valid: int) -> None:
+        """Chunk number ``self.chunks``: its first ``valid`` elements, ``data``."""
+        if self.dset is None:
+            self._create()
+        start = self.chunks * self.chunk
+        if start + valid > self.extent:
+            # Grown 64 chunks at a time (a dataset's extent is metadata libhdf5 rewrites);
+            # the exact length is set in finish.
+            self.extent = start + 64 * self.chunk
+            self.dset.set_extent((self.extent,))
+        space = self.dset.get_space()
+        space.select_hyperslab((start,), (valid,))
+        self.dset.write(h5py.h5s.create_simple((valid,)), space, np.ascontiguousarray(data[:valid]))
+        if valid == self.chunk:
+            self.chunks += 1
+
+
+class _Contiguous:
+    """An uncompressed dump's datasets, ``tensors/<dtype>.<n>``: one per stored dtype for
+    each batch, as long as the batch's tensors of that dtype.
+
+    libhdf5 allocates each dataset's space at once (contiguous, never filled, starting on
+    a page) and keeps the file's structure; the writer writes the tensors' bytes there
+    itself (``pwritev`` on libhdf5's own file descriptor, after ``os.posix_fallocate``),
+    so that what a dump costs is the bytes: chunks written through libhdf5 reached
+    0.71-0.80 of ``numpy.tofile`` (``benchmarks/overhead.py``, figure 3). Where the
+    platform has no ``pwrite`` or libhdf5's file driver gives no descriptor, libhdf5
+    writes them."""
+
+    def __init__(self, group: h5py.Group, fd: int | None) -> None:
+        self.group = group
+        self.dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        self.dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+        self.dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        self.dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every byte is written, once
+        self.dcpl.set_obj_track_times(False)
+        self.fd = fd if hasattr(os, "pwrite") else None
+
+    def write(self, name: str, dtype: np.dtype, arrays: list[np.ndarray]) -> Link:
+        """A new dataset ``name`` holding ``arrays`` one after the other; returns what the
+        metadata digest records of it."""
+        count = sum(a.size for a in arrays)
+        space = h5py.h5s.create_simple((count,))
+        dset = h5py.h5d.create(self.group.id, name.encode(), h5py.h5t.py_create(dtype, logical=1), space, dcpl=self.dcpl)
+        offset = dset.get_offset() if count else None
+        if offset is not None and self.fd is not None:
+            views = [memoryview(a).cast("B") for a in arrays if a.size]
+            nbytes = sum(len(v) for v in views)
+            if nbytes >= _ALLOCATE_BYTES:
+                _allocate(self.fd, offset, nbytes)
+            _pwrite_all(self.fd, views, offset)
+        elif count:
+            start = 0
+            for a in arrays:
+                if a.size:
+                    space.select_hyperslab((start,), (a.size,))
+                    dset.write(h5py.h5s.create_simple((a.size,)), space, a)
+                    start += a.size
+        return Link("dataset", {}, np.dtype(dtype).str, (count,))
+
+
+# Datasets are allocated on disk before they are written from this size on (not below: a
+# system call for nothing).
+_ALLOCATE_BYTES = 1 << 20
+
+
+def _allocate(fd: int, offset: int, nbytes: int) -> None:
+    """The disk blocks of a dataset's bytes, allocated at once (``os.posix_fallocate``, as
+    ``numpy.tofile`` does for arrays of 16 MiB or more): writing into them skips the
+    filesystem's delayed allocation page by page (ext4 here: figure 3 of
+    ``benchmarks/overhead.py`` 0.70-0.71 against 0.60-0.64 without).
+
+    libhdf5 has allocated the range in the file (its end of allocated space is past it), and
+    every byte of it is written next, so the file's size, should the call extend it, is
+    what it would be anyway. Where the platform has no ``posix_fallocate`` (macOS) or the
+    filesystem refuses, nothing is allocated and the writes allocate the blocks as they go;
+    where the filesystem cannot allocate without writing, glibc writes one byte per block
+    instead.
+    """
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError:
+        pass
+
+
+_IOV_MAX = 1024  # buffers per pwritev (POSIX guarantees at least 16; Linux and macOS: 1024)
+# Bytes per write call. From the writer's thread, 8 MiB calls ran at a tenth of the speed
+# of the same calls from the main thread in most runs on the test machine
+# (benchmarks/overhead.py, figure 2: 1.98 against 1.25); 1 MiB calls did not.
+_WRITE_BYTES = 1 << 20
+
+
+def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """Write ``views`` one after the other at ``offset``, at most ``_WRITE_BYTES`` per
+    call: ``pwritev``, or ``pwrite`` where there is none; short writes continued."""
+    pieces = [v[i : i + _WRITE_BYTES] for v in views for i in range(0, len(v), _WRITE_BYTES)]
+    i = 0
+    while i < len(pieces):
+        batch, size = [], 0
+        for piece in pieces[i : i + _IOV_MAX]:
+            if size + len(piece) > _WRITE_BYTES and batch:
+                break
+            batch.append(piece)
+            size += len(piece)
+        done = os.pwritev(fd, batch, offset) if hasattr(os, "pwritev") else os.pwrite(fd, batch[0], offset)
+        if done <= 0:
+            raise OSError(f"write returned {done}")
+        offset += done
+        while i < len(pieces) and done >= len(pieces[i]):
+            done -= len(pieces[i])
+            i += 1
+        if done:
+            pieces[i] = pieces[i][done:]

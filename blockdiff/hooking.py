@@ -1,0 +1,83 @@
+"""Hooking: the one place blockdiff puts anything on someone else's model, and takes it off.
+
+Hooks are global state on the user's model. Every recording, freezing or drill-down run
+opens one :class:`Hooks` context; everything it adds — forward pre-hooks and hooks, an
+instance ``forward`` that answers with recorded outputs, a wrapped in-place compiled call
+(``module.compile()``) — is registered with it, and all of it is undone in ``finally``, in
+reverse order, whatever happens in between (an instance ``forward`` the module already had
+is put back). A hook that only records returns ``None`` (anything else would replace the
+module's output).
+
+>>> with Hooks() as hooks:                                   # doctest: +SKIP
+...     hooks.before(module, lambda m, args, kwargs: None)
+...     model(ids)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+_MISSING = object()
+
+
+class Hooks:
+    """Everything added to modules for one run, undone when the context closes."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def __enter__(self) -> "Hooks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Undo everything, last added first (idempotent)."""
+        while self._undo:
+            self._undo.pop()()
+
+    def before(self, module: nn.Module, hook: Callable[[nn.Module, tuple, dict], None]) -> None:
+        """``hook(module, args, kwargs)`` before each call of ``module``."""
+        self._undo.append(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
+
+    def after(self, module: nn.Module, hook: Callable[[nn.Module, tuple, dict, Any], None]) -> None:
+        """``hook(module, args, kwargs, output)`` after each call of ``module``."""
+        self._undo.append(module.register_forward_hook(hook, with_kwargs=True).remove)
+
+    def around(self, module: nn.Module, pre: Callable, post: Callable) -> None:
+        """Both hooks, around ``module``'s calls. A module compiled in place
+        (``module.compile()``) would run its own hooks inside its graph; its compiled call
+        is wrapped instead, so the hooks run eagerly before and after it."""
+        original = module.__dict__.get("_compiled_call_impl")
+        if original is None:
+            self.before(module, pre)
+            self.after(module, post)
+            return
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            pre(module, args, kwargs)
+            output = original(*args, **kwargs)
+            post(module, args, kwargs, output)
+            return output
+
+        module._compiled_call_impl = recorded
+        self._undo.append(lambda: setattr(module, "_compiled_call_impl", original))
+
+    def replace_forward(self, module: nn.Module, make: Callable[[Callable], Callable]) -> None:
+        """``module.forward`` replaced, on the instance, by ``make(current forward)``."""
+        previous = module.__dict__.get("forward", _MISSING)
+        module.forward = make(module.forward)
+
+        def undo() -> None:
+            if previous is _MISSING:
+                del module.forward
+            else:
+                module.forward = previous
+
+        self._undo.append(undo)
+
+
+__all__ = ["Hooks"]

@@ -1,0 +1,177 @@
+"""Sides: what the engine asks of an implementation, whatever kind it is.
+
+A *side* (docs/design.md, "Sides") is the reference or the candidate. This module is the
+protocol and nothing else; each kind is a file beside it, and :func:`~blockdiff.sides.factory.open_side`
+is the one place a spec (a model, a factory, a model spec, a Hugging Face directory, an
+``.h5`` dump, an ``.onnx`` graph, a model split over launched ranks) becomes one:
+
+========================  =================================================================
+``live.py``               :class:`LiveSide`: an ``nn.Module`` as it runs (eager; compiled
+                          code judged as compiled, ``compiled.py``); :class:`PrecisionSide`:
+                          its code at another precision (noise floors; ``precision.py``)
+``sharded.py``            ``ShardedSide`` (every rank every block), ``PipelineSide`` (a stage
+                          per rank)
+``dump.py``               ``DumpSide``: a dump's sites; runs nothing
+``onnx.py``               ``OnnxSide``: an ONNX Runtime graph, experiments as sub-graphs
+========================  =================================================================
+
+The localizer (:mod:`blockdiff.localize`) and the experiments never branch on the kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Protocol
+
+import torch
+
+from ..hookmap import Layout
+from ..report import BlockResult, StageResult
+from ..site import Site
+from ..store import SiteStore
+
+# Activations by role ("primary", "encoder_hidden_states", "arg3", ...), as Site.hidden_inputs.
+Hidden = dict[str, torch.Tensor]
+# What a localization judged: its stage results and block results, in order.
+Judged = tuple[list[StageResult], list[BlockResult]]
+# Modules frozen in a block run, by (sub-path, ordinal): (site whose output answers, site
+# whose output gives the structure and dtypes: the running side's own record).
+Frozen = dict[tuple[str, int], tuple[Site, Site]]
+
+
+class Judging(Protocol):
+    """What a side sees of the localization it completes (:meth:`Side.localized`): the
+    localizer, as far as a kind of side needs it."""
+
+    ref: "Side"
+    notes: list[str]  # the report's notes, in order
+    moe: list[dict[str, Any]]  # routing statistics per MoE block
+    nonfinite: Any  # the NaN/Inf scan (found(), merge())
+    tolerance: Any  # the Tolerance (threshold(subpath, dtype, floor))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype comparisons are judged in."""
+
+
+class Side(Protocol):
+    """What the engine needs of one side of a diff: who it is, its sites, the experiments
+    it runs, and how it completes a localization.
+
+    Who: ``name``, ``meta``, ``layout``, ``device``, ``dtype``, ``lockstep``, ``versions``.
+    Sites: ``store``, filled by ``record`` on the ``inputs`` it takes. Experiments: ``call_module``, ``run_block``, ``child_calls``,
+    ``attribute`` — a side that cannot run (``live`` false) is judged on drift only.
+    Precision: ``in_precision`` (the noise floor's side), ``runs_as``. Running: ``running``
+    (the context its runs need), ``not_streamed``. Completing: ``holds``, ``localized``.
+    """
+
+    name: str  # "reference" or "candidate"
+    layout: Layout
+    store: SiteStore
+    meta: dict[str, Any]  # how the report describes it: model, class, device, dtype, hook_map
+    live: bool  # whether it can run experiments (a dump cannot)
+    lockstep: bool  # whether it runs on every rank of a launched run, in lockstep
+    not_streamed: str | None  # why it cannot be recorded into a dump (--stream), or None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def versions(self) -> dict[str, str]:
+        """The package versions its code comes from (what a dump records)."""
+
+    def inputs(self, given: Any) -> tuple[Any, str | None]:
+        """The concrete inputs this side runs on for the inputs a user gave (a tensor, a
+        file, :class:`~blockdiff.inputs.RandomTokens`; a dump: its own), and a note when
+        blockdiff made up part of them. Raises ``InputError`` for inputs it cannot take."""
+
+    def running(self) -> ContextManager[Any]:
+        """The context every run of this side needs (eval mode, compiled-code limits), entered
+        once around a diff; restored after."""
+
+    def record(self, inputs: Any, store: SiteStore, *, hold: str | None, progress: Callable[[int, int], None] | None = None) -> Any:
+        """Run the whole model once, recording every site into ``store``."""
+
+    def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
+        """The output of module ``path`` called with ``call``'s arguments, its
+        activations replaced by ``hidden`` (cast to the call's own dtypes)."""
+
+    def run_block(
+        self, path: str, call: Site, hidden: Hidden | None, modules: dict[str, str], frozen: Frozen | None
+    ) -> tuple[torch.Tensor, dict[tuple[str, int], torch.Tensor]]:
+        """Block ``path`` run on ``call`` with ``hidden``; the modules of ``frozen`` answer
+        with recorded outputs. Returns the block's output and the hidden input that reached
+        each module of ``modules`` (block-relative path → sub-path), by (sub-path, ordinal)."""
+
+    def child_calls(self, path: str, call: Site, hidden: Hidden | None = None) -> list[Site]:
+        """Module ``path`` run on ``call`` with ``hidden``, the calls of its innermost
+        children recorded (drill-down)."""
+
+    def attribute(self, path: str) -> Any:
+        """An attribute of the model (``model.layers.0.mlp.capacity``); ``None`` when absent."""
+
+    def in_precision(self, dtype: torch.dtype, device: torch.device) -> "Side | None":
+        """This side's code run in ``dtype`` on ``device`` (noise floors); ``None`` when it
+        cannot run."""
+
+    def runs_as(self, other: "Side") -> bool:
+        """Whether ``other`` computes what this side does, so that its record is this
+        side's run (a floor side and a candidate that is the reference's own cast)."""
+
+    def holds(self, block: int | None, module: str) -> bool:
+        """Whether this process judges block ``block``, or (``block`` None) the stage module
+        ``module``, with this side as the candidate: a pipeline stage only the ones its rank
+        holds; every other side all of them."""
+
+    def localized(self, judging: Judging, judge: Callable[[], Judged]) -> Judged:
+        """The stage and block results of a localization with this side as the candidate:
+        ``judge()`` (the localizer's run), completed as this kind of side needs — what
+        other ranks judged (a pipeline stage), the replica check (a sharded model), a note
+        on what recording changed (an ONNX graph). Most sides return ``judge()``."""
+
+
+class SideDefaults:
+    """The protocol's members most sides answer alike: runs alone, can be streamed, needs no
+    context, no model attributes, no other precision, no twin, every block judged here, a
+    localization as the localizer runs it."""
+
+    lockstep = False
+    not_streamed: str | None = None
+    @property
+    def versions(self) -> dict[str, str]:
+        return {}
+
+    def inputs(self, given: Any) -> tuple[Any, str | None]:
+        return given, None
+
+    def running(self) -> ContextManager[Any]:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def attribute(self, path: str) -> Any:
+        return None
+
+    def in_precision(self, dtype: torch.dtype, device: torch.device) -> "Side | None":
+        return None
+
+    def runs_as(self, other: "Side") -> bool:
+        return False
+
+    def holds(self, block: int | None, module: str) -> bool:
+        return True
+
+    def localized(self, judging: Judging, judge: Callable[[], Judged]) -> Judged:
+        return judge()
+
+
+def received_dtype(role: str, own: dict[str, torch.Tensor], cast: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype a replayed call's activation in ``role`` is handed over in: ``cast`` (a
+    side running at another precision), else the dtype of the call's own tensor in that
+    role (``own``), else unchanged (``None``)."""
+    return cast or (own[role].dtype if role in own else None)
+
+
+__all__ = ["Side", "SideDefaults", "Judging", "Judged", "Hidden", "Frozen", "received_dtype"]
