@@ -180,6 +180,8 @@ def assert_no_divergence(
     candidate_hooks: HookMap | None = None,
     fast_path: bool = False,
     labels: tuple[str | None, str | None] = (None, None),
+    decode: int = 0,
+    caches: tuple[str, str] = ("dynamic", "dynamic"),
     **tolerances: Any,
 ) -> Report:
     """Assert that ``candidate`` does not diverge from ``reference`` on ``inputs``.
@@ -189,6 +191,8 @@ def assert_no_divergence(
         candidate: the model under test (a separate object).
         inputs: token ids, a tuple of positional arguments or a dict of keyword arguments.
         reference_hooks, candidate_hooks, fast_path, labels: as for :func:`blockdiff.diff`.
+        decode, caches: decode steps after the prompt ``inputs`` (token ids), each side with
+            its own cache, every step judged (``docs/decode.md``); 0: one forward pass.
         **tolerances: ``policy="fixed"|"calibrated"`` and fixed relative-L2 thresholds
             per sub-path or stage, e.g. ``ffn=0.05`` (see :func:`tolerance_from`).
 
@@ -214,6 +218,8 @@ def assert_no_divergence(
         candidate_hooks=candidate_hooks,
         fast_path=fast_path,
         labels=labels,
+        decode=decode,
+        caches=caches,
     )
     report = run(reference, candidate, inputs, options=options)
     raise_for_divergence(

@@ -211,7 +211,20 @@ def _apply(options: list) -> Callable:
     help="With --rank: the baseline is the reference's own floor at this precision (is an int8 candidate worse "
     "than bfloat16 here?) [default: each check's threshold].",
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report (blockdiff.report/1) here.")
+@click.option(
+    "--decode",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="After the prompt (the inputs), N decode steps of one token, each side with its own KV cache, every "
+    "step localized (docs/decode.md). With no CANDIDATE: the model's cached decode against its own uncached "
+    "forward.",
+)
+@click.option("--ref-cache", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
+              help="With --decode: the reference's Hugging Face cache.")
+@click.option("--cand-cache", type=click.Choice(["dynamic", "static"]), default=None,
+              help="With --decode: the candidate's Hugging Face cache [default: --ref-cache].")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report (blockdiff.report/2) here.")
 @click.option("--save-dumps", type=click.Path(file_okay=False), help="Keep both sides' captures as DIR/reference.h5 and DIR/candidate.h5 (implies --stream).")
 @click.option("--stream", is_flag=True, help="Capture to temporary dumps and localize block by block: memory holds one block's activations.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG: local-error heatmap, drift, MoE expert loads (needs matplotlib).")
@@ -239,6 +252,9 @@ def diff_command(
     fast: bool,
     rank: int | None,
     baseline_dtype: str | None,
+    decode: int | None,
+    ref_cache: str,
+    cand_cache: str | None,
     json_path: str | None,
     save_dumps: str | None,
     stream: bool,
@@ -280,6 +296,9 @@ def diff_command(
         samples/bugs.py:moe_expert_off_by_one --capacity-factor 1.5
       blockdiff diff ref.h5 samples/bugs.py:gelu_for_silu --cand-dtype bfloat16
       blockdiff diff ref.h5 cand.h5
+      blockdiff diff samples/hf_llama.py:build \\
+          samples/decode_bugs.py:cache_one_slot_early --decode 4
+      blockdiff diff samples/hf_llama.py:build --decode 8
       blockdiff diff samples/tinylm.py:build tinylm.onnx --batch 2 --seq 16
       blockdiff diff samples/tinylm.py:build samples/bugs.py:post_norm \\
         --plot bug.png --html bug.html
@@ -326,6 +345,8 @@ def diff_command(
             baseline_dtype=parse_dtype(baseline_dtype) if baseline_dtype else None,
             devices=(r_device, c_device),
             dtypes=(r_dtype, c_dtype),
+            decode=decode or 0,
+            caches=(ref_cache, cand_cache or ref_cache),
         ),
     )
     _stop_progress()

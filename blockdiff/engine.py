@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from . import distributed
+from . import decoding, distributed
 from ._version import __version__
 from .capture import TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
@@ -77,6 +77,14 @@ class Options:
             of its threshold.
         devices, dtypes: where a model spec string is built, per side (reference,
             candidate); ``None``: the CPU, float32 — a candidate's, the reference's.
+        decode: after the prompt (the inputs' token ids), this many decode steps of one
+            token, each side with its own cache, every step localized
+            (:mod:`blockdiff.decoding`); 0: one forward pass without a cache.
+        caches: the cache each Hugging Face model decodes with (reference, candidate):
+            ``"dynamic"`` or ``"static"``.
+        uncached_reference: with ``decode``, the reference runs without a cache (its whole
+            sequence at once, paired position by position with the candidate's steps): a
+            model against its own cache. :func:`run` sets it when no candidate is given.
     """
 
     tolerance: Tolerance | None = None
@@ -91,6 +99,9 @@ class Options:
     baseline_dtype: torch.dtype | None = None
     devices: tuple[torch.device | str | None, torch.device | str | None] = (None, None)
     dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None)
+    decode: int = 0
+    caches: tuple[str, str] = ("dynamic", "dynamic")
+    uncached_reference: bool = False
 
     @classmethod
     def of(cls, options: "Options | None" = None, **fields_: Any) -> "Options":
@@ -142,6 +153,8 @@ def run(
     'ffn'
     """
     options = options or Options()
+    if candidate is None and options.decode and not isinstance(reference, nn.Module):
+        options = replace(options, uncached_reference=True)  # the model against its own cache
     candidate = _candidate_spec(reference, candidate)
     ref_kind, cand_kind = kind_of(reference), kind_of(candidate)
     if cand_kind == "dump" and ref_kind != "dump":
@@ -253,6 +266,8 @@ def _live(ref: Side, cand: Side, inputs: Inputs, options: Options) -> Report:
             f"--stream and --save-dumps do not take {refused}; "
             "diff in memory, or capture the reference alone (blockdiff capture) and replay against it"
         )
+    if options.decode:
+        return _decoded(ref, cand, inputs, options)
     lockstep = ref.lockstep or cand.lockstep
     localize = lambda free_run: _localize(ref, cand, inputs, options, free_run=free_run)  # noqa: E731
     with ExitStack() as stack:
@@ -280,6 +295,92 @@ def _live(ref: Side, cand: Side, inputs: Inputs, options: Options) -> Report:
             return stack.enter_context(DumpReader(scratch / "free-run.h5", probe=False))
 
         return localize(streamed_free_run)
+
+
+def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
+    """Both sides live, decoding: the prompt prefilled (step 0), then ``options.decode``
+    steps of one token fed to both (the reference's greedy choice), each side with its own
+    cache; every step localized, its modules' experiments with caches of their own carried
+    from step to step (:mod:`blockdiff.decoding`)."""
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.is_floating_point():
+        raise InputError("decode steps need token ids [batch, tokens] as the prompt")
+    if options.save_dumps is not None or options.stream or options.rank or ref.lockstep or cand.lockstep:
+        raise InputError("--decode runs in memory, on one process: not with --stream, --save-dumps, --rank or torchrun")
+    if options.decode < 0:
+        raise InputError(f"--decode must be a number of steps, found {options.decode}")
+    length = prompt.shape[1] + options.decode + 1
+    for side, kind in zip((ref, cand), options.caches):
+        if not hasattr(side, "stepper"):
+            raise InputError(f"the {side.name} cannot decode: decode steps need live PyTorch models")
+        side.stepper = decoding.stepper_for(side.module(""), kind=kind, length=length)  # type: ignore[attr-defined]
+    steps = options.decode
+    if options.uncached_reference and (ref.dtype != cand.dtype or ref.device != cand.device):
+        raise InputError("a model against its own cache runs in one precision: give a CANDIDATE to compare precisions")
+    with ref.running(), cand.running():
+        if options.uncached_reference:
+            ref_run = run_model_code("reference", decoding.uncached, ref, prompt, steps)
+        else:
+            ref_run = run_model_code("reference", decoding.decode, ref, prompt, steps, ref.stepper)  # type: ignore[attr-defined]
+        cand_run = run_model_code("candidate", decoding.decode, cand, prompt, steps, cand.stepper, ref_run.greedy)  # type: ignore[attr-defined]
+        tolerance = (options.tolerance or Tolerance()).resolved(same_dtype=ref.dtype == cand.dtype, same_device=ref.device == cand.device)
+        floor = ref.in_precision(working_dtype(ref.dtype, cand.dtype), cand.device) if tolerance.calibrated else None
+        floor_run = None
+        if floor is not None and not floor.runs_as(cand):
+            floor_run = run_model_code("reference", decoding.decode, floor, prompt, steps, floor.stepper, ref_run.greedy)  # type: ignore[attr-defined]
+        layers = decoding.attention_layers(ref, cand)
+        reports = []
+        for step in range(steps + 1):
+            ref.store, cand.store = ref_run.stores[step], cand_run.stores[step]
+            free = floor_run.stores[step] if floor_run is not None else cand.store
+            length = prompt.shape[1] + step
+
+            def complete(localizer: Localizer, blocks: list, step: int = step, length: int = length) -> None:
+                found = decoding.kv_checks(localizer.experiments, ref, cand, layers, ref_run.caches[step] or [], length, step)
+                decoding.add_kv_checks(blocks, found)
+
+            reports.append(
+                _localize(ref, cand, prompt, replace(options, tolerance=tolerance), free_run=lambda side, free=free: free,
+                          stateful=True, complete=complete)
+            )
+    report = _steps_report(reports, prompt, options, decoding.first_difference(ref_run.greedy, cand_run.greedy))
+    if options.uncached_reference:
+        report.notes.insert(1, (
+            "a model against its own cache: the reference is the same model without a cache, its whole sequence "
+            "in one forward, each position paired with the cached step that computed it (the cache's contents are "
+            "not compared: the uncached run keeps none)"
+        ))
+    return report
+
+
+def _steps_report(reports: list[Report], prompt: torch.Tensor, options: Options, tokens_differ: int | None) -> Report:
+    """One report of a decode: the stages and blocks of the first step that diverges (the
+    last step when none does), every step summed up in ``steps``."""
+    shown = next((step for step, report in enumerate(reports) if report.diverged), len(reports) - 1)
+    report = reports[shown]
+    report.decode = {
+        "steps": options.decode,
+        "prompt_length": int(prompt.shape[1]),
+        "caches": {"reference": options.caches[0], "candidate": options.caches[1]},
+        "step": shown,
+        "tokens_differ_at": tokens_differ,
+    }
+    report.steps = []
+    for step, found in enumerate(reports):
+        first = found.first_divergence
+        report.steps.append({
+            "step": step,
+            "position": int(prompt.shape[1]) - 1 + step if step else None,
+            "first_divergence": None if first is None else {**first.to_dict(), "step": step},
+            "diverged": {str(b.index): sorted(n for n, r in b.subpaths.items() if r.diverged) for b in found.blocks},
+        })
+    where = "no step diverges" if not report.diverged else f"step {shown} is the first that diverges"
+    report.decode["uncached_reference"] = options.uncached_reference
+    report.notes.insert(0, (
+        f"decode: the prompt ({int(prompt.shape[1])} tokens) prefilled as step 0, then {options.decode} steps of one "
+        f"token fed to both sides (the reference's greedy choice), each with its own cache ({' and '.join(dict.fromkeys(options.caches))}); {where}"
+        + ("" if tokens_differ is None else f"; the two sides' greedy tokens first differ after step {tokens_differ}")
+    ))
+    return report
 
 
 def _replayed(ref: Side, cand: Side, inputs: Any, options: Options) -> Report:
@@ -433,7 +534,8 @@ def measure_floors(
 
 
 def _localize(
-    ref: Side, cand: Side, inputs: Inputs | None, options: Options, *, free_run: Callable[[Side], Any] | None = None
+    ref: Side, cand: Side, inputs: Inputs | None, options: Options, *, free_run: Callable[[Side], Any] | None = None,
+    stateful: bool = False, complete: Callable[[Localizer, list], None] | None = None,
 ) -> Report:
     """Localize two recorded sides into a report. ``free_run(side)`` records the reference
     at the candidate's precision for drift floors, into a store it returns (in memory
@@ -450,6 +552,7 @@ def _localize(
         ref, cand, tolerance, fast_path=options.fast_path, capacity_factors=options.capacity_factors, stored=stored,
         drill_all=rank,
     )
+    localizer.experiments.stateful = stateful
     floor = localizer.experiments.floor_side
     if floor is not None and cand.live and inputs is not None:
         # Drift floors: the reference's own free run at the candidate's precision. When the
@@ -462,7 +565,10 @@ def _localize(
             localizer.experiments.free_run = record(floor)
     def judge() -> tuple[list, list]:
         stages = run_model_code("candidate", lambda: list(localizer.stages()))
-        return stages, run_model_code("candidate", lambda: _counted(localizer.blocks(), "localize", len(cand.layout.blocks)))
+        blocks = run_model_code("candidate", lambda: _counted(localizer.blocks(), "localize", len(cand.layout.blocks)))
+        if complete is not None:
+            run_model_code("candidate", complete, localizer, blocks)
+        return stages, blocks
 
     with torch.inference_mode():
         # The candidate's kind completes what was judged (a pipeline's ranks share theirs).

@@ -73,6 +73,10 @@ class Experiments:
         self._free_run_cache: tuple[int | None, dict] = (-1, {})
         # Every floor measured, by key, when a capture stores them (see record_floors()).
         self.measured: dict[str, Any] | None = None
+        # Modules carry state from call to call (decode steps: each experiment's own KV
+        # cache): every experiment runs its module, none is answered by a recorded call,
+        # so that each experiment's state sees every step.
+        self.stateful = False
 
     @property
     def calibrated(self) -> bool:
@@ -185,7 +189,7 @@ class Experiments:
         this floor already."""
         own = self._free_run_site(call)
         out = None if own is None else own.primary_output()
-        if out is not None and same_call(call, own, side.dtype):
+        if out is not None and not self.stateful and same_call(call, own, side.dtype):
             return out
         return self.module_output(side, call.module, call, None)
 
@@ -197,7 +201,7 @@ class Experiments:
         hidden = r.hidden_inputs()
         out = c.primary_output()
         own = c.hidden_inputs()
-        if not everywhere(out is not None and same_bits(as_received(hidden, own), own)):
+        if self.stateful or not everywhere(out is not None and same_bits(as_received(hidden, own), own)):
             out = self.module_output(self.cand, c.module, c, hidden)
         expected, out = self.comparable(r, c, ref_out, out)
         key = f"module:{describe_key(r.key)}"
@@ -249,7 +253,9 @@ class Experiments:
         if frozen:
             frozen_c.update({(s.subpath, s.ordinal): (s, pair.cand[key]) for key, s in pair.ref.items()})
         own_in = c_block.hidden_inputs()
-        if everywhere(not frozen_c and c_block.primary_output() is not None and same_bits(as_received(ref_in, own_in), own_in)):
+        if not self.stateful and everywhere(
+            not frozen_c and c_block.primary_output() is not None and same_bits(as_received(ref_in, own_in), own_in)
+        ):
             out, reached = c_block.primary_output(), {}  # the candidate's own call was this call
         else:
             out, reached = self.cand.run_block(c_block.module, c_block, ref_in, relative(pair.cand_layout), frozen_c)

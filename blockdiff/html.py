@@ -2,7 +2,7 @@
 
 Beside the terminal (:mod:`.render`) and the PNG (:mod:`.plot`) at the end of the
 pipeline, it lays out the report's :class:`~.view.View`, so it takes a
-:class:`~.report.Report` or its ``blockdiff.report/1`` dict alike. The page fetches
+:class:`~.report.Report` or its ``blockdiff.report/2`` dict alike. The page fetches
 nothing: CSS is inline, the heatmap is a table with inline colours, the figure (when
 matplotlib is installed) is an inline ``data:`` PNG, and the report itself is embedded
 as JSON in ``<script type="application/json" id="blockdiff-report">`` so the page is
@@ -275,12 +275,12 @@ def write_html(report: Report | dict[str, Any], path: str | Path, *, image: bool
     ``json.loads`` of ``<script id="blockdiff-report">``'s text gives ``report`` back.
 
     Args:
-        report: a ``blockdiff.report/1`` dict (``Report.to_dict()`` or a loaded
+        report: a ``blockdiff.report/2`` dict (``Report.to_dict()`` or a loaded
             ``--json`` file), or a :class:`Report`.
         path: where to write (UTF-8).
         image: inline the PNG figure when matplotlib is available.
 
     Raises:
-        BlockdiffError: ``report`` is not a ``blockdiff.report/1`` report.
+        BlockdiffError: ``report`` is not a ``blockdiff.report/2`` report.
     """
     Path(path).write_text(document(report, image=image), encoding="utf-8")

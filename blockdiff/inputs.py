@@ -86,6 +86,9 @@ def run_model(model: nn.Module, inputs: Inputs) -> Any:
     ``use_cache=False`` unless the inputs say otherwise: a cache object would make
     recorded calls unreplayable.
     """
+    run_on = getattr(inputs, "run_on", None)
+    if callable(run_on):  # one decode step, with the cache it carries (blockdiff.decoding)
+        return run_on(model)
     device = model_device(model)
     moved = map_structure(inputs, lambda t: t.to(device))
     if isinstance(moved, dict):

@@ -2,7 +2,7 @@
 
 The last step of the pipeline, beside the terminal (:mod:`.render`) and HTML
 (:mod:`.html`): it lays out the report's :class:`~.view.View`, so it draws a
-:class:`~.report.Report` or its ``blockdiff.report/1`` dict (``Report.to_dict()`` or a
+:class:`~.report.Report` or its ``blockdiff.report/2`` dict (``Report.to_dict()`` or a
 saved ``--json`` file) alike, long after the diff ran. Panels, top to bottom, all titled
 so a reader (or a test) can tell them apart:
 
@@ -70,7 +70,7 @@ def figure(report: Report | dict[str, Any] | View) -> Figure:
     """Draw ``report`` as a matplotlib Figure (Agg canvas, no display needed).
 
     Args:
-        report: a ``blockdiff.report/1`` dict (``Report.to_dict()`` or a loaded
+        report: a ``blockdiff.report/2`` dict (``Report.to_dict()`` or a loaded
             ``--json`` file), a :class:`Report`, or its :class:`~.view.View`.
 
     Returns:
@@ -264,7 +264,7 @@ def write_png(report: Report | dict[str, Any] | View, path: str | Path) -> None:
     (``Description``), for tools that read image metadata.
 
     Args:
-        report: a ``blockdiff.report/1`` dict (``Report.to_dict()`` or a loaded
+        report: a ``blockdiff.report/2`` dict (``Report.to_dict()`` or a loaded
             ``--json`` file), a :class:`Report`, or its :class:`~.view.View`.
         path: where to write; the parent directory must exist.
 

@@ -206,7 +206,7 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
     """Print ``report`` to ``console`` (stdout by default), every line within its width.
 
     Args:
-        report: a :class:`~.report.Report`, or its ``blockdiff.report/1`` dict.
+        report: a :class:`~.report.Report`, or its ``blockdiff.report/2`` dict.
         console: where to print; colour is rich's decision (``NO_COLOR``, not a terminal).
         advice: the closing line after a divergence, what to do next: the CLI's
             (:data:`ADVICE`) unless given; ``None`` prints none.
@@ -236,6 +236,8 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
         if drill is not None:
             _say(console, "  ", drill, indent=4)
     _heatmap(view, console)
+    if view.report.decode is not None:
+        _steps(view.report, console)
     if view.report.first_nonfinite is not None:
         nf = view.report.first_nonfinite
         _say(
@@ -410,6 +412,33 @@ def _heatmap(view: View, console: Console) -> None:
             entries.append(entry)
         for line in _packed(entries, "  " + "stages".ljust(label), "  " + " " * label, console.width):
             console.print(line, highlight=False)
+
+
+def _steps(report: Report, console: Console) -> None:
+    """A decode's steps × blocks: one row per step (every step of a short decode; of a long
+    one, the steps that diverge and the first), ``X`` where a block diverges at that step,
+    and the step's first divergence beside it. The heatmap above is the shown step's."""
+    indices = [b.index for b in report.blocks]
+    steps = report.steps or []
+    shown = steps if len(steps) <= 16 else [s for s in steps if s["step"] == 0 or s["first_divergence"]]
+    label = 8
+    console.print(Text(f"decode steps × blocks (the heatmap is step {report.decode['step']}'s):", style="bold"),
+                  highlight=False)
+    console.print(Text("  " + "step".ljust(label) + " ".join(str(i % 10) for i in indices), style="dim"), highlight=False)
+    for summary in shown:
+        line = Text("  " + str(summary["step"]).ljust(label))
+        for position, index in enumerate(indices):
+            mark = "X" if summary["diverged"].get(str(index)) else "·"
+            line.append(mark, style="bold red" if mark == "X" else "dim")
+            if position < len(indices) - 1:
+                line.append(" ")
+        first = summary["first_divergence"]
+        if first is not None:
+            where = f"block {first['block']} {first['subpath']}" if first["stage"] == "block" else first["stage"]
+            line.append(f"  {where}"[: max(0, console.width - len(line) - 1)], style="red")
+        console.print(line, highlight=False)
+    if len(shown) < len(steps):
+        console.print(Text(f"  ({len(steps) - len(shown)} other steps: no divergence)", style="dim"), highlight=False)
 
 
 def _packed(entries: list[Text], first: str, rest: str, width: int) -> list[Text]:

@@ -1,4 +1,4 @@
-"""Report: the verdict of a diff as data, and its JSON form (``blockdiff.report/1``).
+"""Report: the verdict of a diff as data, and its JSON form (``blockdiff.report/2``; /1 still read).
 
 A :class:`Report` holds, per stage outside blocks and per block, the local-error checks of
 every sub-path, the block-level check and the drift, and derives the divergences from
@@ -18,9 +18,11 @@ from typing import Any
 from .compare import Metrics, from_json_number, json_number
 from .errors import BlockdiffError
 from .tolerance import Threshold
-from .vocab import DRIFT, BEFORE_BLOCKS, PART_OF, REPLICAS, SUBPATHS, UNATTRIBUTED
+from .vocab import DRIFT, BEFORE_BLOCKS, KV_CACHE, PART_OF, REPLICAS, SUBPATHS, UNATTRIBUTED
 
-SCHEMA = "blockdiff.report/1"
+SCHEMA = "blockdiff.report/2"
+# Every schema this version reads: /1 (blockdiff 0.4 and earlier) is /2 without decode steps.
+READS = ("blockdiff.report/1", SCHEMA)
 
 
 
@@ -294,10 +296,12 @@ class Divergence:
     module: str
     check: Check
     stack: str | None = None
+    step: int | None = None  # the decode step (Report.decode), None for one forward pass
 
     def to_dict(self) -> dict[str, Any]:
         nonfinite_ref, nonfinite_cand = self.check.nonfinite
         return {
+            **({} if self.step is None else {"step": self.step}),
             "stage": self.stage,
             "block": self.block,
             "stack": self.stack,
@@ -317,6 +321,8 @@ class Divergence:
     def where(self) -> str:
         """Where it is, in words: ``block 1 ffn``, ``head``, ``block 2 unexplained drift``."""
         place = f"block {self.block}" if self.stage == "block" else self.stage
+        if self.step is not None:
+            place = f"step {self.step} {place}"
         if self.subpath == DRIFT:
             return f"{place} unexplained drift"
         return f"{place} {self.subpath}" if self.stage == "block" else place
@@ -373,6 +379,10 @@ class Report:
     created: str = ""
     version: str = ""
     ranking: list[dict[str, Any]] | None = None  # --rank: Report.rank(), worst first
+    # --decode: the run's steps (steps, prompt_length, cache, step: the one whose stages
+    # and blocks these are, tokens_differ_at), and each step summed up (docs/decode.md).
+    decode: dict[str, Any] | None = None
+    steps: list[dict[str, Any]] | None = None
 
     @property
     def divergences(self) -> list[Divergence]:
@@ -386,7 +396,8 @@ class Report:
             for name, result in sorted(block.subpaths.items(), key=lambda kv: kv[1].order):
                 if result.diverged:
                     any_subpath = True
-                    worst = result.worst
+                    # A wrong cache write is what the attention's output then shows: named first.
+                    worst = next((c for c in result.checks if c.diverged and c.part == KV_CACHE), result.worst)
                     assert worst is not None
                     blamed = block.blamed(name)
                     position = min((c.order for c in result.checks if c.diverged and c.order is not None), default=result.order)
@@ -404,6 +415,9 @@ class Report:
         drift = self.unexplained_drift(before=min(explained, default=None))
         if drift is not None:
             found.insert(0, drift)
+        if self.decode is not None:  # these are one decode step's stages and blocks
+            for _, divergence in found:
+                divergence.step = self.decode.get("step")
         return [d for _, d in found]
 
     def _tolerated_positions(self) -> list[float]:
@@ -535,11 +549,14 @@ class Report:
         }
         if self.ranking is not None:
             out["ranking"] = self.ranking
+        if self.decode is not None:
+            out["decode"] = self.decode
+            out["steps"] = self.steps or []
         return out
 
     @classmethod
     def from_dict(cls, data: Any) -> Report:
-        """The report of a ``blockdiff.report/1`` dict (:meth:`to_dict`, or a loaded
+        """The report of a ``blockdiff.report/2`` dict (:meth:`to_dict`, or a loaded
         ``--json`` file), with its checks, thresholds and metrics as objects again.
 
         The divergences are derived from the checks, as for a live report. The JSON form
@@ -549,14 +566,14 @@ class Report:
         ``divergences`` list them.
 
         Raises:
-            BlockdiffError: ``data`` is not a ``blockdiff.report/1`` report.
+            BlockdiffError: ``data`` is not a ``blockdiff.report/2`` report.
 
         >>> Report.from_dict(report.to_dict()).to_dict() == report.to_dict()  # doctest: +SKIP
         True
         """
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        if not isinstance(data, dict) or data.get("schema") not in READS:
             found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise BlockdiffError(f"expected a {SCHEMA} report, found {found!r}")
+            raise BlockdiffError(f"expected a {SCHEMA} report (or {READS[0]}), found {found!r}")
         try:
             report = cls(
                 reference=data.get("reference", {}),
@@ -572,6 +589,8 @@ class Report:
                 created=data.get("created", ""),
                 version=data.get("blockdiff_version", ""),
                 ranking=data.get("ranking"),
+                decode=data.get("decode"),
+                steps=data.get("steps"),
             )
             report._restore_order(data.get("divergences") or [])
         except KeyError as exc:

@@ -220,18 +220,20 @@ def snapshot(obj: Any) -> Any:
 
 
 def for_replay(
-    obj: Any, *, device: torch.device | str, dtype: torch.dtype | None = None, keep: Collection[int] = ()
+    obj: Any, *, device: torch.device | str, dtype: torch.dtype | None = None, keep: Collection[int] = (),
+    cache: Any = None,
 ) -> Any:
     """Move a recorded structure to ``device``; floating tensors cast to ``dtype`` if given.
 
-    :class:`Opaque` markers become the objects they hold; a recorded cache becomes ``None``
-    (never replayed). Tensors whose ``id`` is in ``keep`` (copies made for this call
-    already) are passed as they are.
+    :class:`Opaque` markers become the objects they hold; a recorded cache is never
+    replayed: it becomes ``cache`` (``None``, or the experiment's own cache at a decode
+    step). Tensors whose ``id`` is in ``keep`` (copies made for this call already) are
+    passed as they are.
 
     Raises:
         NotReplayable: a marker that holds no object (read from a dump) and is no cache.
     """
-    return _unwrap_opaque(map_structure(obj, lambda t: t if id(t) in keep else replayed_copy(t, device, dtype)))
+    return _unwrap_opaque(map_structure(obj, lambda t: t if id(t) in keep else replayed_copy(t, device, dtype)), cache)
 
 
 def map_opaque(obj: Any, fn: Callable[[Opaque], Any]) -> Any:
@@ -248,10 +250,10 @@ def map_opaque(obj: Any, fn: Callable[[Opaque], Any]) -> Any:
     return obj
 
 
-def _unwrap_opaque(obj: Any) -> Any:
+def _unwrap_opaque(obj: Any, cache: Any = None) -> Any:
     def unwrap(marker: Opaque) -> Any:
         if marker.cache:
-            return None
+            return cache
         if marker.value is None:
             raise NotReplayable(marker.type_name)
         return marker.value

@@ -2,7 +2,7 @@
 
 The step between :mod:`.report` and the three renderers at the end of the pipeline
 (:mod:`.render` for the terminal, :mod:`.plot` for the PNG, :mod:`.html` for the page).
-:meth:`View.of` reads a :class:`~.report.Report` (a ``blockdiff.report/1`` dict goes
+:meth:`View.of` reads a :class:`~.report.Report` (a ``blockdiff.report/2`` dict goes
 through :meth:`Report.from_dict <.report.Report.from_dict>` first) into:
 
 - :class:`Column`: one per site in execution order (embed and context, the blocks, final
@@ -330,7 +330,7 @@ class View:
 
     @classmethod
     def of(cls, report: Report | dict[str, Any] | View) -> View:
-        """The view of ``report``: a :class:`Report`, or its ``blockdiff.report/1`` dict.
+        """The view of ``report``: a :class:`Report`, or its ``blockdiff.report/2`` dict.
 
         Raises:
             BlockdiffError: ``report`` is neither a report nor a report's dict.

@@ -53,7 +53,15 @@ REPLICAS = "replicas"
 # divergence, when no local check explains it, is blamed on the sub-path "drift".
 DRIFT = "drift"
 # The part of an MoE ffn a check judges (``Check.part``), by its kind.
-PART_OF = {ROUTER_LOGITS: "router", ROUTER_WEIGHTS: "router", ROUTING_FLIPS: "router", ROUTING_DIFFERS: "router", EXPERTS: "experts"}
+# What an attention's experiment cache holds after a decode step, against the reference's
+# own cache (blockdiff.decoding): a wrong write shows here first.
+KV_KEYS = "kv cache: keys"
+KV_VALUES = "kv cache: values"
+KV_CACHE = "kv cache"
+PART_OF = {
+    ROUTER_LOGITS: "router", ROUTER_WEIGHTS: "router", ROUTING_FLIPS: "router", ROUTING_DIFFERS: "router",
+    EXPERTS: "experts", KV_KEYS: KV_CACHE, KV_VALUES: KV_CACHE,
+}
 
 
 def reported_subpath(subpath: str | None) -> str:

@@ -145,9 +145,9 @@ def test_missing_matplotlib_is_a_clear_error(dense, tmp_path, monkeypatch):
 
 
 def test_a_foreign_file_is_refused():
-    with pytest.raises(BlockdiffError, match="expected a blockdiff.report/1 report, found 'other/2'"):
+    with pytest.raises(BlockdiffError, match=r"expected a blockdiff.report/2 report \(or blockdiff.report/1\), found 'other/2'"):
         plot.write_png({"schema": "other/2"}, "never.png")
-    with pytest.raises(BlockdiffError, match="blockdiff.report/1"):
+    with pytest.raises(BlockdiffError, match="blockdiff.report/2"):
         report_html.document([1, 2])
 
 

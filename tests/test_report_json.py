@@ -1,4 +1,4 @@
-"""The JSON report contract: blockdiff.report/1."""
+"""The JSON report contract: blockdiff.report/2 (and /1, still read)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_report_has_the_contract_keys(ids, tmp_path):
     report = diff(tinylm.build(), bugs.gelu_for_silu(block=2).to(torch.bfloat16), ids)
     report.write_json(tmp_path / "r.json")
     data = json.loads((tmp_path / "r.json").read_text())
-    assert data["schema"] == "blockdiff.report/1"
+    assert data["schema"] == "blockdiff.report/2"
     first = data["first_divergence"]
     assert {"stage", "block", "subpath", "module", "metric", "value", "threshold"} <= set(first)
     assert (first["stage"], first["block"], first["subpath"], first["module"]) == ("block", 2, "ffn", "blocks.2.ffn")
@@ -137,7 +137,7 @@ def test_from_dict_orders_sites_of_an_encoder_decoder_as_they_ran():
 
 
 def test_from_dict_refuses_what_is_not_a_report():
-    with pytest.raises(BlockdiffError, match="expected a blockdiff.report/1 report, found 'other/2'"):
+    with pytest.raises(BlockdiffError, match=r"expected a blockdiff.report/2 report \(or blockdiff.report/1\), found 'other/2'"):
         Report.from_dict({"schema": "other/2"})
     with pytest.raises(BlockdiffError, match="found 'list'"):
         Report.from_dict([1, 2])

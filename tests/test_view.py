@@ -43,7 +43,7 @@ def test_a_report_and_its_saved_json_read_the_same(gelu_report, moe_report):
         assert saved.columns == live.columns
         assert saved.moe == live.moe
         assert [d.headline() for d in saved.divergences] == [d.headline() for d in live.divergences]
-    with pytest.raises(BlockdiffError, match="blockdiff.report/1"):
+    with pytest.raises(BlockdiffError, match="blockdiff.report/2"):
         View.of({"schema": "other/2"})
 
 

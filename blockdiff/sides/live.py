@@ -14,6 +14,7 @@ one :class:`~blockdiff.hooking.Hooks` context and is undone in its ``finally``.
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -88,6 +89,11 @@ class LiveSide(SideDefaults):
         self.meta = describe(model, layout, label)
         self.store: SiteStore | None = None  # set by record()
         self._compiled: dict[str, Callable] = {}  # runnable(): modules compiled like their model
+        self._precisions: dict[tuple, PrecisionSide] = {}  # in_precision(): one per precision
+        # At decode steps: how this model runs a step and makes a cache (blockdiff.decoding),
+        # and the caches its experiments carry from step to step (stream()).
+        self.stepper: Any = None
+        self._streams: dict[tuple, Any] = {}
 
     @property
     def device(self) -> torch.device:
@@ -179,12 +185,28 @@ class LiveSide(SideDefaults):
         return getattr(self.model.get_submodule(owner), attr, None)
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
-        return PrecisionSide(self, dtype, device)
+        """This side's code at ``dtype`` on ``device``: one per precision for the side's life
+        (each weight cast once; at decode steps, its experiments' caches carried on)."""
+        key = (dtype, torch.device(device))
+        if key not in self._precisions:
+            self._precisions[key] = PrecisionSide(self, dtype, device)
+        return self._precisions[key]
 
+    def stream(self, key: tuple) -> Any:
+        """The cache an experiment stream replays with at decode steps (``None`` outside
+        them): one per kind of experiment and module (``key``), made by the side's
+        :attr:`stepper` the first time and carried from step to step — what this side's
+        module holds having run on the reference's inputs at every earlier position."""
+        if self.stepper is None:
+            return None
+        if key not in self._streams:
+            self._streams[key] = self.stepper.new_cache(self.module(""))
+        return self._streams[key]
 
-    def _replay(self, call: Site, hidden: Hidden | None) -> tuple[tuple, dict]:
+    def _replay(self, call: Site, hidden: Hidden | None, cache: Any = None) -> tuple[tuple, dict]:
         """``call``'s arguments on this side's device (floating ones cast to :attr:`cast`),
-        its activations replaced by ``hidden`` in the call's own dtypes."""
+        its activations replaced by ``hidden`` in the call's own dtypes, a recorded cache
+        by ``cache``."""
         device = self.device
         args, kwargs, fresh = call.args, call.kwargs, set()
         if hidden:
@@ -197,12 +219,12 @@ class LiveSide(SideDefaults):
             args, kwargs = with_hidden(args, kwargs, hidden, call.activations)
             fresh = {id(t) for t in hidden.values()}
         return (
-            for_replay(args, device=device, dtype=self.cast, keep=fresh),
-            for_replay(kwargs, device=device, dtype=self.cast, keep=fresh),
+            for_replay(args, device=device, dtype=self.cast, keep=fresh, cache=cache),
+            for_replay(kwargs, device=device, dtype=self.cast, keep=fresh, cache=cache),
         )
 
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
-        args, kwargs = self._replay(call, hidden)
+        args, kwargs = self._replay(call, hidden, self.stream(("module", path)))
         return self.runnable(path)(*args, **kwargs)
 
     def child_calls(self, path: str, call: Site, hidden: Hidden | None = None, *, depth: int = 2) -> list[Site]:
@@ -238,7 +260,10 @@ class LiveSide(SideDefaults):
             for rel, child in leaves.items():
                 hooks.before(child, pre(rel))
                 hooks.after(child, post(rel))
-            args, kwargs = self._replay(call, hidden)
+            # A decode step's drill-down runs on a copy of the module's cache: it must not
+            # write this step into the stream the module check carries on.
+            stream = self.stream(("module", path))
+            args, kwargs = self._replay(call, hidden, copy.deepcopy(stream) if stream is not None else None)
             self.runnable(path, module)(*args, **kwargs)
         # The innermost modules that ran: a module whose own children ran is theirs to judge
         # (a quantized Linear keeps its weights in a child that is never called: it stays).
@@ -309,7 +334,7 @@ class LiveSide(SideDefaults):
                 hooks.before(named[rel], pre(rel, subpath))
                 if frozen:
                     hooks.replace_forward(named[rel], lambda original, rel=rel: frozen_forward(rel, original))
-            args, kwargs = self._replay(call, hidden)
+            args, kwargs = self._replay(call, hidden, self.stream(("block", path, frozenset(frozen or ()))))
             out = primary_tensor(self.runnable(path, block)(*args, **kwargs))
         if out is None:
             raise PairingError(f"{call.label}: the block returned no tensor")
@@ -332,6 +357,8 @@ class PrecisionSide(LiveSide):
         self.cast = dtype
         self._device = device
         self._copy: nn.Module | None = None
+        self._compiled, self._precisions, self.lockstep = {}, {}, side.lockstep
+        self.stepper, self._streams = side.stepper, {}
 
     @property
     def device(self) -> torch.device:
@@ -360,7 +387,7 @@ class PrecisionSide(LiveSide):
         (``Recording.changed()``), as :func:`~blockdiff.engine._in_memory` does, since a
         module that reuses its output buffer would change what the free run holds."""
         self.store = store
-        return record_once(self.module(""), self.layout, store, inputs, hold=hold, progress=progress)  # type: ignore[arg-type]
+        return record_once(self.module(""), self.layout, store, inputs, hold=hold, progress=progress, lockstep=self.lockstep)
 
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "PrecisionSide":
         return PrecisionSide(self, dtype, device)

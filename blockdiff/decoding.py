@@ -1,0 +1,287 @@
+"""Decode steps: localize a divergence that only appears with a KV cache.
+
+A prompt (the usual inputs) is prefilled — step 0 — and then ``N`` steps run one token
+at a time, each side with its **own** cache, both fed the same tokens (teacher forcing:
+the reference's greedy choice at each step), so positions stay aligned. Every step is
+recorded and localized like a forward pass (docs/decode.md):
+
+- a module experiment at step t runs the candidate's module on the reference's inputs
+  with a cache of the candidate's own kind that holds what that module computed from the
+  reference's inputs at every earlier step: one cache per kind of experiment and module
+  (``LiveSide.stream``), carried from step to step, so the cost stays linear in ``N``;
+- the cache is a site: after each step, what each attention's experiment cache holds
+  (keys and values apart, by position) is compared with the reference's own cache, and a
+  wrong write is blamed on that block's attention ("kv cache: keys"), at the first step it
+  shows;
+- noise floors come from the reference's own code at the candidate's precision, run the
+  same way (its own caches), and drift floors from its own cached free run.
+
+How a model runs a step is a *stepper*: :class:`HFStepper` for Hugging Face models
+(``DynamicCache`` or ``StaticCache`` through ``cache=``/``past_key_values=``); a model with a
+cache of its own provides one as its ``blockdiff_stepper`` attribute (an object with
+``new_cache(model)`` and ``run(model, ids, cache)`` returning the logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .compare import metrics
+from .errors import InputError, run_model_code
+from .report import Check, SubpathResult
+from .sides import Side
+from .site import map_structure
+from .store import MemoryStore
+from .vocab import KV_KEYS, KV_VALUES
+
+# What the CLI's --cache names, for Hugging Face models.
+CACHE_KINDS = ("dynamic", "static")
+
+
+class Stepper(Protocol):
+    """How a model runs one decode step with its own cache."""
+
+    def new_cache(self, model: nn.Module) -> Any:
+        """An empty cache of this model's kind."""
+
+    def run(self, model: nn.Module, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """The logits of ``ids`` (``[batch, tokens]``, on the model's device) run with
+        ``cache``, which the call updates."""
+
+
+@dataclass
+class HFStepper:
+    """A Hugging Face causal LM's step: ``model(input_ids, cache=..., use_cache=True)``.
+
+    Args:
+        kind: ``"dynamic"`` (``DynamicCache``) or ``"static"`` (``StaticCache`` of
+            ``length`` positions).
+        length: the static cache's length (prompt and every step).
+    """
+
+    kind: str = "dynamic"
+    length: int = 0
+
+    def new_cache(self, model: nn.Module) -> Any:
+        import transformers
+
+        config = model.config
+        if self.kind == "static":
+            return transformers.StaticCache(config=config, max_cache_len=self.length)
+        return transformers.DynamicCache(config=config)
+
+    def run(self, model: nn.Module, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        params = inspect.signature(model.forward).parameters
+        name = "cache" if "cache" in params else "past_key_values"
+        out = model(input_ids=ids, use_cache=True, **{name: cache})
+        return out.logits if hasattr(out, "logits") else out[0]
+
+
+def stepper_for(model: nn.Module, *, kind: str, length: int) -> Stepper:
+    """The model's own ``blockdiff_stepper``, else :class:`HFStepper` for a Hugging Face
+    model (one with a ``config``)."""
+    own = getattr(model, "blockdiff_stepper", None)
+    if own is not None:
+        return own
+    if getattr(model, "config", None) is None or not _takes_cache(model):
+        raise InputError(
+            f"{type(model).__name__} has no decode step blockdiff knows: give the model a blockdiff_stepper "
+            "(new_cache(model), run(model, ids, cache); docs/decode.md), or decode a Hugging Face causal LM"
+        )
+    if kind not in CACHE_KINDS:
+        raise InputError(f"unknown cache kind {kind!r}; expected one of {', '.join(CACHE_KINDS)}")
+    return HFStepper(kind, length)
+
+
+def _takes_cache(model: nn.Module) -> bool:
+    params = inspect.signature(model.forward).parameters
+    return "cache" in params or "past_key_values" in params
+
+
+@dataclass
+class StepCall:
+    """One step's inputs, as :func:`~blockdiff.inputs.run_model` runs them: the tokens
+    and the cache they run with (``run_on``), the logits kept."""
+
+    ids: torch.Tensor
+    cache: Any
+    stepper: Stepper
+    logits: torch.Tensor | None = None
+
+    def run_on(self, model: nn.Module) -> torch.Tensor:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.logits = self.stepper.run(model, self.ids.to(device), self.cache)
+        return self.logits
+
+
+@dataclass
+class Decoded:
+    """One side's decode: each step's record, the greedy token it chose after each step
+    (``[batch]``), and what its cache held after each step (per layer: keys, values)."""
+
+    stores: list[MemoryStore] = field(default_factory=list)
+    greedy: list[torch.Tensor] = field(default_factory=list)
+    caches: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = field(default_factory=list)
+
+
+def decode(side: Side, prompt: torch.Tensor, steps: int, stepper: Stepper, tokens: list[torch.Tensor] | None = None) -> Decoded:
+    """Prefill ``prompt`` and run ``steps`` decode steps on ``side``, each recorded; the
+    token fed after step t is ``tokens[t]`` (teacher forcing) or the side's own greedy
+    choice."""
+    model = side.module("")  # type: ignore[attr-defined]
+    cache = stepper.new_cache(model)
+    found, ids = Decoded(), prompt
+    for step in range(steps + 1):
+        store = MemoryStore(side.meta)
+        call = StepCall(ids, cache, stepper)
+        run_model_code(side.name, side.record, call, store, hold=None)
+        assert call.logits is not None
+        found.stores.append(store)
+        found.greedy.append(call.logits[:, -1].argmax(-1).cpu())
+        found.caches.append(cache_contents(cache))
+        ids = (tokens[step] if tokens is not None else found.greedy[-1])[:, None]
+    return found
+
+
+def uncached(side: Side, prompt: torch.Tensor, steps: int) -> Decoded:
+    """A model against its own cache: its greedy tokens without a cache (each one a whole
+    forward of the sequence so far), then one recorded forward of the whole sequence, cut
+    into steps — the prompt's positions as step 0, position ``len(prompt) - 1 + t`` as step
+    t — so that each of the cached run's steps pairs with the same position run uncached."""
+    model = side.module("")  # type: ignore[attr-defined]
+    found, ids = Decoded(), prompt
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            out = model(input_ids=ids.to(device), use_cache=False)
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            found.greedy.append(logits[:, -1].argmax(-1).cpu())
+            ids = torch.cat([ids, found.greedy[-1][:, None]], dim=1)
+    whole = MemoryStore(side.meta)
+    sequence = ids[:, : prompt.shape[1] + steps]
+    run_model_code(side.name, side.record, sequence, whole, hold=None)
+    length, start = sequence.shape[1], prompt.shape[1]
+    for step in range(steps + 1):
+        lo, hi = (0, start) if step == 0 else (start + step - 1, start + step)
+        store = MemoryStore(side.meta)
+        for site in whole.sites():
+            store.add(_positions(site, lo, hi, length))
+        found.stores.append(store)
+        found.caches.append(None)
+    return found
+
+
+def _positions(site: Any, lo: int, hi: int, length: int) -> Any:
+    """``site`` with every tensor laid out ``[batch, positions, ...]`` over the whole
+    sequence cut to positions ``lo:hi``."""
+    cut = lambda t: t[:, lo:hi] if t.dim() >= 2 and t.shape[1] == length else t  # noqa: E731
+    return dataclasses.replace(
+        site, args=map_structure(site.args, cut), kwargs=map_structure(site.kwargs, cut), output=map_structure(site.output, cut)
+    )
+
+
+def cache_contents(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """What a cache holds, per layer: (keys, values), each ``[batch, kv_heads, positions,
+    head_dim]`` (copies on the CPU), ``None`` for a layer nothing was written to; ``None``
+    for a cache blockdiff cannot read (the cache is then not compared)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return None
+    found: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for layer in layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or not keys.numel():
+            found.append(None)
+            continue
+        found.append((keys.detach().to("cpu", copy=True), values.detach().to("cpu", copy=True)))
+    return found
+
+
+def filled(t: torch.Tensor, length: int) -> torch.Tensor:
+    """The positions a cache layer's tensor holds for a sequence of ``length`` tokens: the
+    first ``length`` (a dynamic cache holds exactly those; a static cache's later slots are
+    unfilled), or — a layer shorter than that, a sliding window — all it holds."""
+    return t[:, :, :length] if t.shape[2] >= length else t
+
+
+def kv_checks(experiments: Any, ref: Side, cand: Side, pair_blocks: list[Any], reference: list, length: int, step: int) -> dict[int, list[Check]]:
+    """The cache as a site: per block whose attention keeps a cache layer, what the
+    candidate's attention experiment holds after this step (its module on the reference's
+    inputs at every step so far) against the reference's own cache, keys and values apart,
+    judged as the attention's output is (its floor: the reference's own code at the
+    candidate's precision, run the same way)."""
+    found: dict[int, list[Check]] = {}
+    for index, ref_path, cand_path, layer in pair_blocks:
+        if layer >= len(reference) or reference[layer] is None:
+            continue
+        mine = cache_contents(cand.stream(("module", cand_path)))  # type: ignore[attr-defined]
+        if mine is None or layer >= len(mine) or mine[layer] is None:
+            continue
+        floor_cache = None
+        floors = experiments.floor_side
+        if floors is not None:
+            floor_cache = cache_contents(floors.stream(("module", ref_path)))
+        checks = []
+        for what, which in ((KV_KEYS, 0), (KV_VALUES, 1)):
+            expected = filled(reference[layer][which], length)
+            got = filled(mine[layer][which], length)
+            if expected.shape != got.shape:
+                n = min(expected.shape[2], got.shape[2])
+                expected, got = expected[:, :, -n:], got[:, :, -n:]
+            floor = None
+            if floor_cache is not None and layer < len(floor_cache) and floor_cache[layer] is not None:
+                f = filled(floor_cache[layer][which], length)
+                if f.shape == expected.shape:
+                    floor = metrics(expected, f, dtype=experiments.dtype).rel_l2
+            check = experiments.check("attention", what, cand_path, expected, got, floor)
+            check.key = f"{what}:step {step} block {index}"
+            checks.append(check)
+        found[index] = checks
+    return found
+
+
+def add_kv_checks(blocks: list[Any], checks: dict[int, list[Check]]) -> None:
+    """Put each block's cache checks first in its attention's results (a wrong cache write
+    is what the attention's output then shows)."""
+    for block in blocks:
+        extra = checks.get(block.index)
+        if not extra:
+            continue
+        result = block.subpaths.setdefault("attention", SubpathResult("checked"))
+        order = min((c.order for c in result.checks if c.order is not None), default=result.order)
+        for check in extra:
+            check.order = order
+        result.checks[:0] = extra
+        result.status = "checked"
+
+
+def attention_layers(ref: Side, cand: Side) -> list[tuple[int, str, str, int]]:
+    """(block index, reference attention path, candidate attention path, cache layer) for
+    every block with one attention module on both sides; the layer is the module's own
+    ``layer_idx`` where it has one, else its block's position."""
+    found = []
+    for position, (rb, cb) in enumerate(zip(ref.layout.blocks, cand.layout.blocks)):
+        r_attn, c_attn = rb.subpaths.get("attention", []), cb.subpaths.get("attention", [])
+        if len(r_attn) != 1 or len(c_attn) != 1:
+            continue
+        module = cand.module(c_attn[0])  # type: ignore[attr-defined]
+        layer = getattr(module, "layer_idx", None)
+        found.append((rb.index, r_attn[0], c_attn[0], layer if isinstance(layer, int) else position))
+    return found
+
+
+def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None:
+    """The first step whose greedy tokens differ on some row, or ``None``."""
+    return next((step for step, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)), None)
+
+
+__all__ = [
+    "CACHE_KINDS", "Decoded", "HFStepper", "StepCall", "Stepper", "add_kv_checks", "attention_layers",
+    "cache_contents", "decode", "first_difference", "kv_checks", "stepper_for",
+]

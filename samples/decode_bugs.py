@@ -1,0 +1,124 @@
+"""Bugs that only a KV cache shows: tiny Hugging Face Llamas whose cached path is wrong
+while a full forward without a cache is right (``blockdiff diff ... --decode N``).
+
+Each factory builds ``samples.hf_llama.build()`` (same weights) and changes one thing on
+the cached path of one block (``DEFAULT_BLOCK`` unless named otherwise):
+
+    blockdiff diff samples/hf_llama.py:build samples/decode_bugs.py:cache_one_slot_early --decode 4
+    blockdiff diff samples/hf_llama.py:build samples/decode_bugs.py:rotary_not_offset --decode 4
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from samples import hf_llama
+
+DEFAULT_BLOCK = 1
+
+
+def _cache_of(kwargs: dict) -> tuple[str | None, Any]:
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            return name, kwargs[name]
+    return None, None
+
+
+class _Updating:
+    """A cache seen through ``update``: the layer's writes go through ``write``."""
+
+    def __init__(self, cache: Any, write: Any) -> None:
+        self._cache, self._write = cache, write
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        return self._write(self._cache, key_states, value_states, layer_idx, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+
+def _on_cached_path(model: nn.Module, block: int, write: Any) -> nn.Module:
+    """``model`` with block ``block``'s attention handing its cache writes to ``write``
+    at decode steps (one new token)."""
+    attn = model.model.layers[block].self_attn
+    original = attn.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        name, cache = _cache_of(kwargs)
+        if name is not None and hidden is not None and hidden.shape[1] == 1:
+            kwargs[name] = _Updating(cache, write)
+        return original(*args, **kwargs)
+
+    attn.forward = forward
+    return model
+
+
+def cache_one_slot_early(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """At decode steps the new token's keys and values overwrite the last position the
+    cache holds (the last prompt position at step 1) instead of being appended."""
+
+    def write(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        layer = cache.layers[layer_idx]
+        n = cache.get_seq_length(layer_idx)
+        if hasattr(layer, "cumulative_length"):  # a static layer: one slot early
+            layer.keys[:, :, n - 1 : n] = k
+            layer.values[:, :, n - 1 : n] = v
+            return layer.keys, layer.values
+        layer.keys = torch.cat([layer.keys[:, :, :-1], k], dim=2)
+        layer.values = torch.cat([layer.values[:, :, :-1], v], dim=2)
+        return layer.keys, layer.values
+
+    return _on_cached_path(hf_llama.build(), block, write)
+
+
+def kv_heads_reversed_when_cached(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """At decode steps the attention reads the cached keys and values with their KV heads
+    in reverse order (GQA heads grouped wrongly on the cached path only); the cache itself
+    holds the right ones."""
+
+    def write(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        keys, values = cache.update(k, v, layer_idx, *args, **kwargs)
+        return keys.flip(1), values.flip(1)
+
+    return _on_cached_path(hf_llama.build(), block, write)
+
+
+def rotary_not_offset() -> nn.Module:
+    """At decode steps the new token is rotated as position 0: the model's rotary table is
+    computed without the cache's offset (``model.rotary_emb``, the context stage)."""
+    model = hf_llama.build()
+    rotary = model.model.rotary_emb
+    original = rotary.forward
+
+    @functools.wraps(original)
+    def forward(x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if position_ids.shape[-1] == 1:
+            position_ids = torch.zeros_like(position_ids)
+        return original(x, position_ids, *args, **kwargs)
+
+    rotary.forward = forward
+    return model
+
+
+def static_slots_unmasked(*, block: int = 0) -> nn.Module:
+    """At decode steps block ``block``'s attention drops its mask, so a static cache's
+    unfilled slots (zeros) are attended to. Decode it with ``--cand-cache static``."""
+    model = hf_llama.build()
+    attn = model.model.layers[block].self_attn
+    original = attn.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if hidden is not None and hidden.shape[1] == 1:
+            kwargs["attention_mask"] = None
+        return original(*args, **kwargs)
+
+    attn.forward = forward
+    return model
