@@ -36,7 +36,7 @@ from .compare import metrics
 from .errors import InputError, run_model_code
 from .report import Check, SubpathResult
 from .sides import Side
-from .site import map_structure
+from .site import holds_cache, map_structure
 from .store import MemoryStore
 from .vocab import KV_KEYS, KV_VALUES
 
@@ -126,21 +126,26 @@ class Decoded:
     (``[batch]``), and what its cache held after each step (per layer: keys, values)."""
 
     stores: list[MemoryStore] = field(default_factory=list)
+    recordings: list[Any] = field(default_factory=list)  # what each step's record holds by reference
     greedy: list[torch.Tensor] = field(default_factory=list)
     caches: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = field(default_factory=list)
 
 
-def decode(side: Side, prompt: torch.Tensor, steps: int, stepper: Stepper, tokens: list[torch.Tensor] | None = None) -> Decoded:
+def decode(
+    side: Side, prompt: torch.Tensor, steps: int, stepper: Stepper, tokens: list[torch.Tensor] | None = None,
+    *, hold: str | None = None,
+) -> Decoded:
     """Prefill ``prompt`` and run ``steps`` decode steps on ``side``, each recorded; the
     token fed after step t is ``tokens[t]`` (teacher forcing) or the side's own greedy
-    choice."""
+    choice. ``hold`` as for :func:`~blockdiff.capture.record_once` (``"kept"``: the
+    model's own tensors, which ``Decoded.recordings`` can be asked about later)."""
     model = side.module("")  # type: ignore[attr-defined]
     cache = stepper.new_cache(model)
     found, ids = Decoded(), prompt
     for step in range(steps + 1):
         store = MemoryStore(side.meta)
         call = StepCall(ids, cache, stepper)
-        run_model_code(side.name, side.record, call, store, hold=None)
+        found.recordings.append(run_model_code(side.name, side.record, call, store, hold=hold))
         assert call.logits is not None
         found.stores.append(store)
         found.greedy.append(call.logits[:, -1].argmax(-1).cpu())
@@ -184,6 +189,14 @@ def _positions(site: Any, lo: int, hi: int, length: int) -> Any:
     return dataclasses.replace(
         site, args=map_structure(site.args, cut), kwargs=map_structure(site.kwargs, cut), output=map_structure(site.output, cut)
     )
+
+
+def remember(side: Side, store: MemoryStore) -> None:
+    """The reference's own calls of this step, for the later steps' drill-downs (which
+    replay its modules' children on the cache its run held): remembered, not run."""
+    for site in store.sites():
+        if site.subpath is not None and holds_cache(site):
+            side.remember(site.module, site, None)  # type: ignore[attr-defined]
 
 
 def cache_contents(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
@@ -283,5 +296,5 @@ def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None
 
 __all__ = [
     "CACHE_KINDS", "Decoded", "HFStepper", "StepCall", "Stepper", "add_kv_checks", "attention_layers",
-    "cache_contents", "decode", "first_difference", "kv_checks", "stepper_for",
+    "cache_contents", "decode", "first_difference", "kv_checks", "remember", "stepper_for",
 ]

@@ -309,27 +309,40 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
     if options.decode < 0:
         raise InputError(f"--decode must be a number of steps, found {options.decode}")
     length = prompt.shape[1] + options.decode + 1
-    for side, kind in zip((ref, cand), options.caches):
-        if not hasattr(side, "stepper"):
+    for side in (ref, cand):
+        if not hasattr(side, "start_decode"):
             raise InputError(f"the {side.name} cannot decode: decode steps need live PyTorch models")
-        side.stepper = decoding.stepper_for(side.module(""), kind=kind, length=length)  # type: ignore[attr-defined]
+    steppers = [
+        decoding.stepper_for(side.module(""), kind=kind, length=length)  # type: ignore[attr-defined]
+        for side, kind in zip((ref, cand), options.caches)
+    ]
     steps = options.decode
     if options.uncached_reference and (ref.dtype != cand.dtype or ref.device != cand.device):
         raise InputError("a model against its own cache runs in one precision: give a CANDIDATE to compare precisions")
-    with ref.running(), cand.running():
+    tolerance = (options.tolerance or Tolerance()).resolved(same_dtype=ref.dtype == cand.dtype, same_device=ref.device == cand.device)
+
+    def attempt(copy: bool) -> tuple[list[Report], Any, Any]:
+        """The decode and its localization; the records hold the models' own tensors unless
+        ``copy`` (:func:`~blockdiff.capture.with_copies`: should a model change one of them
+        in place meanwhile, the whole attempt runs again on copies)."""
+        hold = None if copy else "kept"
+        for side, stepper in zip((ref, cand), steppers):
+            side.start_decode(stepper)  # type: ignore[attr-defined]  # fresh experiment caches
         if options.uncached_reference:
             ref_run = run_model_code("reference", decoding.uncached, ref, prompt, steps)
         else:
-            ref_run = run_model_code("reference", decoding.decode, ref, prompt, steps, ref.stepper)  # type: ignore[attr-defined]
-        cand_run = run_model_code("candidate", decoding.decode, cand, prompt, steps, cand.stepper, ref_run.greedy)  # type: ignore[attr-defined]
-        tolerance = (options.tolerance or Tolerance()).resolved(same_dtype=ref.dtype == cand.dtype, same_device=ref.device == cand.device)
+            ref_run = run_model_code("reference", decoding.decode, ref, prompt, steps, steppers[0], hold=hold)
+        cand_run = run_model_code("candidate", decoding.decode, cand, prompt, steps, steppers[1], ref_run.greedy, hold=hold)
         floor = ref.in_precision(working_dtype(ref.dtype, cand.dtype), cand.device) if tolerance.calibrated else None
         floor_run = None
         if floor is not None and not floor.runs_as(cand):
-            floor_run = run_model_code("reference", decoding.decode, floor, prompt, steps, floor.stepper, ref_run.greedy)  # type: ignore[attr-defined]
+            floor_run = run_model_code("reference", decoding.decode, floor, prompt, steps, steppers[0], ref_run.greedy, hold=hold)
         layers = decoding.attention_layers(ref, cand)
         reports = []
         for step in range(steps + 1):
+            for side in (ref, cand, floor):
+                if side is not None:
+                    side.begin_step()  # type: ignore[attr-defined]
             ref.store, cand.store = ref_run.stores[step], cand_run.stores[step]
             free = floor_run.stores[step] if floor_run is not None else cand.store
             length = prompt.shape[1] + step
@@ -342,6 +355,16 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
                 _localize(ref, cand, prompt, replace(options, tolerance=tolerance), free_run=lambda side, free=free: free,
                           stateful=True, complete=complete)
             )
+            # The reference's own calls, for the next steps' drill-downs (they replay its
+            # modules' children on the cache its run held then).
+            decoding.remember(ref, ref.store)
+        runs = [ref_run, cand_run, *([floor_run] if floor_run is not None else [])]
+        if any(recording.changed() for run in runs for recording in run.recordings):
+            raise TensorChanged("a model changed a recorded tensor in place while its decode was localized")
+        return reports, ref_run, cand_run
+
+    with ref.running(), cand.running():
+        reports, ref_run, cand_run = with_copies(attempt)
     report = _steps_report(reports, prompt, options, decoding.first_difference(ref_run.greedy, cand_run.greedy))
     if options.uncached_reference:
         report.notes.insert(1, (

@@ -236,6 +236,13 @@ def for_replay(
     return _unwrap_opaque(map_structure(obj, lambda t: t if id(t) in keep else replayed_copy(t, device, dtype)), cache)
 
 
+def holds_cache(call: "Site") -> bool:
+    """Whether a recorded call was handed a KV cache (a marker, never the cache)."""
+    found: list[bool] = []
+    map_opaque((call.args, call.kwargs), lambda marker: found.append(marker.cache))
+    return any(found)
+
+
 def map_opaque(obj: Any, fn: Callable[[Opaque], Any]) -> Any:
     """``obj`` (a recorded structure) with every :class:`Opaque` marker replaced by
     ``fn(marker)``; tensors and plain values as they are."""

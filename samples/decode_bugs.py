@@ -6,6 +6,8 @@ the cached path of one block (``DEFAULT_BLOCK`` unless named otherwise):
 
     blockdiff diff samples/hf_llama.py:build samples/decode_bugs.py:cache_one_slot_early --decode 4
     blockdiff diff samples/hf_llama.py:build samples/decode_bugs.py:rotary_not_offset --decode 4
+    blockdiff diff samples/decode_bugs.py:sliding samples/decode_bugs.py:window_one_too_many --decode 6 --seq 4
+    blockdiff diff samples/hf_llama.py:build_qwen3 samples/decode_bugs.py:keys_cached_before_knorm --decode 2
 """
 
 from __future__ import annotations
@@ -118,6 +120,63 @@ def static_slots_unmasked(*, block: int = 0) -> nn.Module:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         if hidden is not None and hidden.shape[1] == 1:
             kwargs["attention_mask"] = None
+        return original(*args, **kwargs)
+
+    attn.forward = forward
+    return model
+
+
+# -- sliding windows: a Mistral whose attention sees the last WINDOW positions ----------
+
+WINDOW = 6
+
+
+def sliding() -> nn.Module:
+    """The reference: a tiny Mistral with a sliding window of ``WINDOW`` positions."""
+    return hf_llama.build(arch="mistral", sliding_window=WINDOW)
+
+
+def window_one_too_many() -> nn.Module:
+    """The same weights, its window one position too wide: it differs from the first step
+    whose sequence is longer than ``WINDOW``."""
+    return hf_llama.build(arch="mistral", sliding_window=WINDOW + 1)
+
+
+def window_one_too_few() -> nn.Module:
+    """The same weights, its window one position too narrow."""
+    return hf_llama.build(arch="mistral", sliding_window=WINDOW - 1)
+
+
+def keys_cached_before_knorm(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """A Qwen3 (k-norm on the keys) whose block ``block`` caches its keys *before* the
+    k-norm (rotated, not normalised), while the current tokens attend with the normalised
+    ones: from the prompt on, the cache holds other keys than the model computes, and every
+    later step attends to them. The reference is ``samples/hf_llama.py:build_qwen3``."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    model = hf_llama.build_qwen3()
+    attn = model.model.layers[block].self_attn
+    original, k_norm = attn.forward, attn.k_norm.forward
+    seen: dict[str, torch.Tensor] = {}
+
+    def normed(x: torch.Tensor) -> torch.Tensor:
+        seen["raw"] = x  # [batch, tokens, kv_heads, head_dim], before the norm
+        return k_norm(x)
+
+    attn.k_norm.forward = normed
+
+    def write(cache: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        cos, sin = seen["rotary"]
+        _, raw = apply_rotary_pos_emb(k, seen["raw"].transpose(1, 2), cos, sin)
+        keys, values = cache.update(raw, v, layer_idx, *args, **kwargs)
+        return torch.cat([keys[:, :, : -k.shape[2]], k], dim=2), values  # the current tokens: normalised
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        seen["rotary"] = kwargs.get("position_embeddings")
+        name, cache = _cache_of(kwargs)
+        if name is not None:
+            kwargs[name] = _Updating(cache, write)
         return original(*args, **kwargs)
 
     attn.forward = forward

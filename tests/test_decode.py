@@ -18,13 +18,20 @@ from tests.conftest import run_cli  # noqa: E402
 IDS = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))
 STEPS = 3
 
-# bug → (step, stage or block, sub-path, what the check compared), and the caches.
+LLAMA, MISTRAL, QWEN3 = "samples/hf_llama.py:build", "samples/decode_bugs.py:sliding", "samples/hf_llama.py:build_qwen3"
+# bug → (step, stage or block, sub-path, what the check compared), the caches, the
+# reference, the prompt's length (a window of 6: a prompt of 4 passes it at step 3).
 PLANTED = {
-    "cache_one_slot_early": ((1, 1, "attention", "kv cache: keys"), ("dynamic", "dynamic")),
-    "cache_one_slot_early-static": ((1, 1, "attention", "kv cache: keys"), ("dynamic", "static")),
-    "kv_heads_reversed_when_cached": ((1, 1, "attention", "output"), ("dynamic", "dynamic")),
-    "rotary_not_offset": ((1, "context", None, None), ("dynamic", "dynamic")),
-    "static_slots_unmasked": ((1, 0, "attention", "output"), ("dynamic", "static")),
+    "cache_one_slot_early": ((1, 1, "attention", "kv cache: keys"), ("dynamic", "dynamic"), LLAMA, 8),
+    "cache_one_slot_early-static": ((1, 1, "attention", "kv cache: keys"), ("dynamic", "static"), LLAMA, 8),
+    "kv_heads_reversed_when_cached": ((1, 1, "attention", "output"), ("dynamic", "dynamic"), LLAMA, 8),
+    "rotary_not_offset": ((1, "context", None, None), ("dynamic", "dynamic"), LLAMA, 8),
+    "static_slots_unmasked": ((1, 0, "attention", "output"), ("dynamic", "static"), LLAMA, 8),
+    "window_one_too_many": ((3, 0, "attention", "output"), ("dynamic", "dynamic"), MISTRAL, 4),
+    "window_one_too_few": ((2, 0, "attention", "output"), ("dynamic", "dynamic"), MISTRAL, 4),
+    # Written wrong from the prompt on, while the prompt's own output is right: the cache
+    # check names it at step 0.
+    "keys_cached_before_knorm": ((0, 1, "attention", "kv cache: keys"), ("dynamic", "dynamic"), QWEN3, 8),
 }
 
 
@@ -40,11 +47,11 @@ def blamed(report: Report) -> tuple | None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bug", PLANTED)
 def test_a_cache_bug_is_blamed_on_its_step_block_and_subpath_through_the_cli(bug, dtype, tmp_path, capsys):
-    expected, (ref_cache, cand_cache) = PLANTED[bug]
+    expected, (ref_cache, cand_cache), reference, seq = PLANTED[bug]
     factory = bug.removesuffix("-static")
     code, out, err = run_cli(
-        ["diff", "samples/hf_llama.py:build", f"samples/decode_bugs.py:{factory}", "--decode", str(STEPS),
-         "--cand-dtype", dtype, "--ref-cache", ref_cache, "--cand-cache", cand_cache, "--seq", "8",
+        ["diff", reference, f"samples/decode_bugs.py:{factory}", "--decode", "4",
+         "--cand-dtype", dtype, "--ref-cache", ref_cache, "--cand-cache", cand_cache, "--seq", str(seq),
          "--json", str(tmp_path / "r.json")],
         capsys,
     )
@@ -52,17 +59,27 @@ def test_a_cache_bug_is_blamed_on_its_step_block_and_subpath_through_the_cli(bug
     data = json.loads((tmp_path / "r.json").read_text())
     report = Report.from_dict(data)
     assert blamed(report) == expected
-    assert data["first_divergence"]["step"] == 1 and data["decode"]["step"] == 1
-    # Prefill (step 0) is the uncached path: nothing there.
-    assert data["steps"][0]["first_divergence"] is None
-    assert "step 1 " in out
+    step = expected[0]
+    assert data["first_divergence"]["step"] == step and data["decode"]["step"] == step
+    # The steps before (prefill, step 0, included) blame nothing.
+    assert all(s["first_divergence"] is None for s in data["steps"][:step])
+    assert f"step {step} " in out
+    if bug == "keys_cached_before_knorm":  # the prompt's attention output itself is right
+        output = next(c for c in report.blocks[1].subpaths["attention"].checks if c.what == "output")
+        assert not output.diverged
 
 
-@pytest.mark.parametrize("caches", [("dynamic", "dynamic"), ("dynamic", "static"), ("static", "dynamic")])
+@pytest.mark.parametrize(
+    "build, caches",
+    [(hf_llama.build, ("dynamic", "dynamic")), (hf_llama.build, ("dynamic", "static")),
+     (hf_llama.build, ("static", "dynamic")), (decode_bugs.sliding, ("dynamic", "dynamic"))],
+    ids=["dynamic", "dynamic-static", "static-dynamic", "sliding-window"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_clean_decodes_blame_nothing_at_any_step(caches, dtype):
-    report = run(hf_llama.build(), hf_llama.build().to(dtype), IDS, options=Options(decode=STEPS, caches=caches))
-    assert blamed(report) is None and len(report.steps) == STEPS + 1
+def test_clean_decodes_blame_nothing_at_any_step(build, caches, dtype):
+    steps = STEPS if build is hf_llama.build else 6  # the window passed
+    report = run(build(), build().to(dtype), IDS[:, :4] if steps == 6 else IDS, options=Options(decode=steps, caches=caches))
+    assert blamed(report) is None and len(report.steps) == steps + 1
     assert all(step["first_divergence"] is None for step in report.steps)
     # The cache is a site: every attention's keys and values were compared.
     for block in report.blocks:
@@ -127,3 +144,14 @@ def test_the_assertion_judges_decode_steps():
     assert_no_divergence(hf_llama.build(), hf_llama.build(), IDS, decode=2, caches=("dynamic", "static"))
     with pytest.raises(DivergenceError, match=r"step 1 block 1 attention \(kv cache: keys\)"):
         assert_no_divergence(hf_llama.build(), decode_bugs.cache_one_slot_early(), IDS, decode=2)
+
+
+def test_a_drill_down_at_a_decode_step_replays_each_child_once_on_the_cache_before_the_step():
+    ids = IDS[:, :4]
+    report = run(decode_bugs.sliding(), decode_bugs.window_one_too_many(), ids, options=Options(decode=4))
+    first = report.first_divergence
+    assert (first.step, first.block, first.subpath) == (3, 0, "attention")
+    children = first.check.children
+    # Each projection once, every one right: the window is the attention's own code.
+    assert [c.what for c in children] == ["child q_proj", "child k_proj", "child v_proj", "child o_proj"]
+    assert not any(c.diverged for c in children)

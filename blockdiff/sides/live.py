@@ -14,7 +14,6 @@ one :class:`~blockdiff.hooking.Hooks` context and is undone in its ``finally``.
 from __future__ import annotations
 
 import contextlib
-import copy
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -47,6 +46,7 @@ from ..site import (
     Site,
     for_replay,
     hidden_location,
+    holds_cache,
     iter_tensors,
     map_structure,
     primary_tensor,
@@ -94,6 +94,7 @@ class LiveSide(SideDefaults):
         # and the caches its experiments carry from step to step (stream()).
         self.stepper: Any = None
         self._streams: dict[tuple, Any] = {}
+        self._step, self._history = 0, {}  # begin_step(), remember()
 
     @property
     def device(self) -> torch.device:
@@ -203,6 +204,47 @@ class LiveSide(SideDefaults):
             self._streams[key] = self.stepper.new_cache(self.module(""))
         return self._streams[key]
 
+    def start_decode(self, stepper: Any) -> None:
+        """Decode steps start with ``stepper``: every experiment cache, remembered call and
+        step count of this side and of its precisions anew."""
+        self.stepper, self._streams, self._step, self._history = stepper, {}, 0, {}
+        for side in self._precisions.values():
+            side.start_decode(stepper)
+
+    def begin_step(self) -> None:
+        """A decode step starts (the calls of the steps before are history: :meth:`remember`)."""
+        self._step += 1
+
+    def remember(self, path: str, call: Site, hidden: Hidden | None) -> None:
+        """At a decode step, module ``path`` ran (or, for the reference, its own run ran it)
+        on ``call`` with ``hidden``: what a later step's drill-down replays to rebuild the
+        cache that module held (:meth:`_rebuilt`). References only: no copies."""
+        self._history.setdefault(path, []).append((self._step, call, hidden))
+
+    def _written_stream(self, key: tuple, call: Site, hidden: Hidden | None = None) -> Any:
+        """The stream ``key`` for a call that writes into it (``None`` for a call handed no
+        cache); a module's call is remembered for drill-downs."""
+        if self.stepper is None or not holds_cache(call):
+            return None
+        if key[0] == "module":
+            self.remember(key[1], call, hidden)
+        return self.stream(key)
+
+    def _rebuilt(self, path: str, call: Site) -> Any:
+        """A fresh cache holding what module ``path`` wrote at the steps before this one,
+        replayed from its remembered calls: a drill-down at a decode step must not write the
+        step into the stream the module check carries on, and a copy of it per step would
+        cost every clean step; this costs only the steps that drill down."""
+        if self.stepper is None or not holds_cache(call):
+            return None
+        cache = self.stepper.new_cache(self.module(""))
+        module = self.runnable(path)
+        for step, earlier, hidden in self._history.get(path, []):
+            if step < self._step:
+                args, kwargs = self._replay(earlier, hidden, cache)
+                module(*args, **kwargs)
+        return cache
+
     def _replay(self, call: Site, hidden: Hidden | None, cache: Any = None) -> tuple[tuple, dict]:
         """``call``'s arguments on this side's device (floating ones cast to :attr:`cast`),
         its activations replaced by ``hidden`` in the call's own dtypes, a recorded cache
@@ -224,7 +266,7 @@ class LiveSide(SideDefaults):
         )
 
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
-        args, kwargs = self._replay(call, hidden, self.stream(("module", path)))
+        args, kwargs = self._replay(call, hidden, self._written_stream(("module", path), call, hidden))
         return self.runnable(path)(*args, **kwargs)
 
     def child_calls(self, path: str, call: Site, hidden: Hidden | None = None, *, depth: int = 2) -> list[Site]:
@@ -256,14 +298,13 @@ class LiveSide(SideDefaults):
 
             return hook
 
+        # A decode step's drill-down runs on a cache rebuilt from the steps before (rebuilt
+        # before the hooks are on: only this call's children are recorded).
+        args, kwargs = self._replay(call, hidden, self._rebuilt(path, call))
         with Hooks() as hooks:
             for rel, child in leaves.items():
                 hooks.before(child, pre(rel))
                 hooks.after(child, post(rel))
-            # A decode step's drill-down runs on a copy of the module's cache: it must not
-            # write this step into the stream the module check carries on.
-            stream = self.stream(("module", path))
-            args, kwargs = self._replay(call, hidden, copy.deepcopy(stream) if stream is not None else None)
             self.runnable(path, module)(*args, **kwargs)
         # The innermost modules that ran: a module whose own children ran is theirs to judge
         # (a quantized Linear keeps its weights in a child that is never called: it stays).
@@ -334,7 +375,7 @@ class LiveSide(SideDefaults):
                 hooks.before(named[rel], pre(rel, subpath))
                 if frozen:
                     hooks.replace_forward(named[rel], lambda original, rel=rel: frozen_forward(rel, original))
-            args, kwargs = self._replay(call, hidden, self.stream(("block", path, frozenset(frozen or ()))))
+            args, kwargs = self._replay(call, hidden, self._written_stream(("block", path, frozenset(frozen or ())), call))
             out = primary_tensor(self.runnable(path, block)(*args, **kwargs))
         if out is None:
             raise PairingError(f"{call.label}: the block returned no tensor")
@@ -359,6 +400,7 @@ class PrecisionSide(LiveSide):
         self._copy: nn.Module | None = None
         self._compiled, self._precisions, self.lockstep = {}, {}, side.lockstep
         self.stepper, self._streams = side.stepper, {}
+        self._step, self._history = 0, {}
 
     @property
     def device(self) -> torch.device:
