@@ -66,6 +66,8 @@ td small { color: inherit; opacity: 0.8; }
 .counts span { display: inline-block; min-width: 1.8em; text-align: center; }
 code { font-family: ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace; }
 img { max-width: 100%; height: auto; }
+#steps td.bad { background: #fde0dc; font-weight: bold; }
+#steps td.good { color: #999; }
 """
 
 
@@ -157,6 +159,26 @@ def _image(view: View) -> str:
     return f'<figure><img alt="heatmap of local errors and drift per block" src="data:image/png;base64,{encoded}"></figure>'
 
 
+def _steps_table(report: Report) -> str:
+    """A decode's steps × blocks: per step, the sub-paths that diverge in each block, and
+    the step's first divergence."""
+    indices = [b.index for b in report.blocks]
+    head = "".join(f"<th>block {i}</th>" for i in indices)
+    rows = []
+    for summary in report.steps or []:
+        cells = "".join(
+            f'<td class="{"bad" if summary["diverged"].get(str(i)) else "good"}">'
+            f'{_e(", ".join(summary["diverged"].get(str(i), [])) or "·")}</td>'
+            for i in indices
+        )
+        first = summary.get("first_divergence")
+        where = "" if first is None else (
+            f"block {first['block']} {first['subpath']}" if first["stage"] == "block" else first["stage"]
+        )
+        rows.append(f"<tr><th>step {_e(summary['step'])}</th>{cells}<td>{_e(where)}</td></tr>")
+    return f'<table id="steps"><tr><th></th>{head}<th>first divergence</th></tr>{"".join(rows)}</table>'
+
+
 def _embedded_json(data: dict[str, Any]) -> str:
     # Inside <script>, "</script>" or "<!--" in any string would end or confuse the
     # element; \u escapes keep the JSON identical once parsed.
@@ -223,6 +245,11 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
         "and threshold. Drift: the free-running candidate against the reference.</p>"),
         _heat_table(view.columns),
     ]
+    if report.decode is not None:
+        parts += [
+            f"<h2>Decode steps × blocks (the table above is step {_e(report.decode.get('step'))}'s)</h2>",
+            _steps_table(report),
+        ]
     if view.blocks:
         scale = f" {view.drift_scale}" if view.drift_scale else ""
         parts += [

@@ -155,3 +155,14 @@ def test_a_drill_down_at_a_decode_step_replays_each_child_once_on_the_cache_befo
     # Each projection once, every one right: the window is the attention's own code.
     assert [c.what for c in children] == ["child q_proj", "child k_proj", "child v_proj", "child o_proj"]
     assert not any(c.diverged for c in children)
+
+
+def test_the_html_page_of_a_decode_shows_its_steps_by_blocks(tmp_path):
+    from blockdiff import html
+
+    report = run(hf_llama.build(), decode_bugs.cache_one_slot_early(), IDS, options=Options(decode=2))
+    page = html.document(report, image=False)
+    assert '<table id="steps">' in page and "<th>step 2</th>" in page
+    row = page.split("<th>step 1</th>")[1].split("</tr>")[0]
+    assert '<td class="bad">attention</td>' in row and "block 1 attention" in row
+    assert "step 1 block 1 attention (kv cache: keys)" in page
