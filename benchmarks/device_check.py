@@ -144,12 +144,12 @@ def capture_overhead(ctx: Context) -> tuple[bool | None, str, str]:
         ids = torch.randint(0, sizes["vocab"], (1, 256), device="cuda")
         layout = resolve(model)
 
-        def forward() -> None:
+        def forward(model: torch.nn.Module = model) -> None:
             with torch.no_grad():
                 model(ids)
             torch.cuda.synchronize()
 
-        def captured() -> None:
+        def captured(model: torch.nn.Module = model) -> None:
             record(model, layout, MemoryStore(), ids)
             torch.cuda.synchronize()
 

@@ -123,7 +123,8 @@ class StepCall:
 @dataclass
 class Decoded:
     """One side's decode: each step's record, the greedy token it chose after each step
-    (``[batch]``), and what its cache held after each step (per layer: keys, values)."""
+    (``[batch]``), and what its cache held after each step (per layer: keys, values; kept
+    for the reference only, ``None`` otherwise)."""
 
     stores: list[MemoryStore] = field(default_factory=list)
     recordings: list[Any] = field(default_factory=list)  # what each step's record holds by reference
@@ -133,12 +134,14 @@ class Decoded:
 
 def decode(
     side: Side, prompt: torch.Tensor, steps: int, stepper: Stepper, tokens: list[torch.Tensor] | None = None,
-    *, hold: str | None = None,
+    *, hold: str | None = None, contents: bool = False,
 ) -> Decoded:
     """Prefill ``prompt`` and run ``steps`` decode steps on ``side``, each recorded; the
     token fed after step t is ``tokens[t]`` (teacher forcing) or the side's own greedy
     choice. ``hold`` as for :func:`~blockdiff.capture.record_once` (``"kept"``: the
-    model's own tensors, which ``Decoded.recordings`` can be asked about later)."""
+    model's own tensors, which ``Decoded.recordings`` can be asked about later).
+    ``contents``: keep what the cache holds after each step (the reference's: the cache
+    checks compare against it), copied, since a static cache is written in place."""
     model = side.module("")  # type: ignore[attr-defined]
     cache = stepper.new_cache(model)
     found, ids = Decoded(), prompt
@@ -149,7 +152,7 @@ def decode(
         assert call.logits is not None
         found.stores.append(store)
         found.greedy.append(call.logits[:, -1].argmax(-1).cpu())
-        found.caches.append(cache_contents(cache))
+        found.caches.append(cache_contents(cache) if contents else None)
         ids = (tokens[step] if tokens is not None else found.greedy[-1])[:, None]
     return found
 
@@ -199,10 +202,11 @@ def remember(side: Side, store: MemoryStore) -> None:
             side.remember(site.module, site, None)  # type: ignore[attr-defined]
 
 
-def cache_contents(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+def cache_contents(cache: Any, *, copy: bool = True) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
     """What a cache holds, per layer: (keys, values), each ``[batch, kv_heads, positions,
-    head_dim]`` (copies on the CPU), ``None`` for a layer nothing was written to; ``None``
-    for a cache blockdiff cannot read (the cache is then not compared)."""
+    head_dim]`` (copies on the CPU, or — ``copy`` false, read at once — the cache's own
+    tensors), ``None`` for a layer nothing was written to; ``None`` for a cache blockdiff
+    cannot read (the cache is then not compared)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         return None
@@ -212,7 +216,7 @@ def cache_contents(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None]
         if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or not keys.numel():
             found.append(None)
             continue
-        found.append((keys.detach().to("cpu", copy=True), values.detach().to("cpu", copy=True)))
+        found.append((keys.detach().to("cpu", copy=copy), values.detach().to("cpu", copy=copy)))
     return found
 
 
@@ -233,13 +237,13 @@ def kv_checks(experiments: Any, ref: Side, cand: Side, pair_blocks: list[Any], r
     for index, ref_path, cand_path, layer in pair_blocks:
         if layer >= len(reference) or reference[layer] is None:
             continue
-        mine = cache_contents(cand.stream(("module", cand_path)))  # type: ignore[attr-defined]
+        mine = cache_contents(cand.stream(("module", cand_path)), copy=False)  # type: ignore[attr-defined]
         if mine is None or layer >= len(mine) or mine[layer] is None:
             continue
         floor_cache = None
         floors = experiments.floor_side
         if floors is not None:
-            floor_cache = cache_contents(floors.stream(("module", ref_path)))
+            floor_cache = cache_contents(floors.stream(("module", ref_path)), copy=False)
         checks = []
         for what, which in ((KV_KEYS, 0), (KV_VALUES, 1)):
             expected = filled(reference[layer][which], length)

@@ -24,7 +24,6 @@ Rank 0 reports; a rank that fails makes every rank stop (:class:`FailureWatch`).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import threading
@@ -35,7 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from . import compare
-from .compare import Metrics, metrics
+from .compare import Metrics
 
 # Seconds a collective may wait for the other ranks before it fails (a rank stuck in a
 # model's own code); a rank that raises stops every rank sooner (FailureWatch).
@@ -391,10 +390,8 @@ __all__ = [
     "in_layout",
     "declared_whole",
     "local_output_dim",
-    "replica_disagreement",
     "apart",
     "every_rank",
-    "every_rank_sites",
     "FailureWatch",
     "finish",
     "agreed_exit_code",

@@ -161,6 +161,8 @@ def run(
         raise InputError("a candidate dump needs a reference dump: blockdiff diff REF.h5 CAND.h5")
     if options.save_dumps is not None and "dump" in (ref_kind, cand_kind):
         raise InputError("--save-dumps keeps the captures of a live diff; here a side is already a dump")
+    if options.decode and "dump" in (ref_kind, cand_kind):
+        raise InputError("--decode runs both models live: dumps of decode steps are not written or replayed yet")
     with distributed.lockstep(), ExitStack() as opened:
         ref = open_side(
             "reference", reference, opened=opened, hooks=options.reference_hooks, label=options.labels[0],
@@ -254,12 +256,7 @@ def compare_dumps(reference: str | Path, candidate: str | Path, **options: Any) 
 
 def _live(ref: Side, cand: Side, inputs: Inputs, options: Options) -> Report:
     """Both sides live: record each (in memory, or streamed into dumps) and localize."""
-    check_inputs(inputs)
-    if cand.lockstep:
-        digests = distributed.every_rank(digest(inputs))
-        if len(set(digests)) > 1:
-            raise InputError(f"the ranks were given different inputs (digests {', '.join(digests)}): every rank must run the same")
-    cand.inputs(inputs)  # the candidate takes them too (its vocabulary)
+    _takes(cand, check_inputs(inputs))
     refused = next((side.not_streamed for side in (ref, cand) if side.not_streamed), None)
     if refused and (options.save_dumps is not None or options.stream):
         raise InputError(
@@ -297,6 +294,16 @@ def _live(ref: Side, cand: Side, inputs: Inputs, options: Options) -> Report:
         return localize(streamed_free_run)
 
 
+def _takes(cand: Side, inputs: Inputs) -> None:
+    """The candidate runs on ``inputs`` (the reference's, or a dump's): every rank of a
+    launched run was given the same, and they fit the candidate (its vocabulary)."""
+    if cand.lockstep:
+        digests = distributed.every_rank(digest(inputs))
+        if len(set(digests)) > 1:
+            raise InputError(f"the ranks were given different inputs (digests {', '.join(digests)}): every rank must run the same")
+    cand.inputs(inputs)
+
+
 def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
     """Both sides live, decoding: the prompt prefilled (step 0), then ``options.decode``
     steps of one token fed to both (the reference's greedy choice), each side with its own
@@ -331,7 +338,7 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
         if options.uncached_reference:
             ref_run = run_model_code("reference", decoding.uncached, ref, prompt, steps)
         else:
-            ref_run = run_model_code("reference", decoding.decode, ref, prompt, steps, steppers[0], hold=hold)
+            ref_run = run_model_code("reference", decoding.decode, ref, prompt, steps, steppers[0], hold=hold, contents=True)
         cand_run = run_model_code("candidate", decoding.decode, cand, prompt, steps, steppers[1], ref_run.greedy, hold=hold)
         floor = ref.in_precision(working_dtype(ref.dtype, cand.dtype), cand.device) if tolerance.calibrated else None
         floor_run = None
@@ -412,6 +419,7 @@ def _replayed(ref: Side, cand: Side, inputs: Any, options: Options) -> Report:
     stored = ref.inputs(given)[0]
     if stored is None:
         raise DumpError(f"{ref.meta['dump']}: the dump holds no model inputs to replay", path=str(ref.meta["dump"]))
+    _takes(cand, stored)
     with cand.running():
         report = _in_memory(
             [cand], stored, lambda free_run: _localize(ref, cand, stored, options, free_run=free_run), lockstep=cand.lockstep

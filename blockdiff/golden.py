@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .assertion import raise_for_divergence, tolerance_from
-from .errors import BlockdiffError, InputError
+from .errors import BlockdiffError
 
 if TYPE_CHECKING:
     from torch import nn

@@ -130,6 +130,8 @@ def test_a_decode_report_round_trips_and_a_schema_1_report_still_reads():
 def test_decode_refuses_what_it_cannot_do():
     with pytest.raises(InputError, match="token ids"):
         run(hf_llama.build(), hf_llama.build(), {"input_ids": IDS}, options=Options(decode=2))
+    with pytest.raises(InputError, match="dumps of decode steps"):
+        run("never.h5", hf_llama.build(), IDS, options=Options(decode=2))
     with pytest.raises(InputError, match="not with --stream"):
         run(hf_llama.build(), hf_llama.build(), IDS, options=Options(decode=2, stream=True))
     from samples import tinylm

@@ -20,6 +20,7 @@ The localizer (:mod:`blockdiff.localize`) and the experiments never branch on th
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, ContextManager, Protocol
 
 import torch
@@ -147,8 +148,6 @@ class SideDefaults:
         return given, None
 
     def running(self) -> ContextManager[Any]:
-        import contextlib
-
         return contextlib.nullcontext()
 
     def attribute(self, path: str) -> Any:

@@ -90,11 +90,7 @@ class LiveSide(SideDefaults):
         self.store: SiteStore | None = None  # set by record()
         self._compiled: dict[str, Callable] = {}  # runnable(): modules compiled like their model
         self._precisions: dict[tuple, PrecisionSide] = {}  # in_precision(): one per precision
-        # At decode steps: how this model runs a step and makes a cache (blockdiff.decoding),
-        # and the caches its experiments carry from step to step (stream()).
-        self.stepper: Any = None
-        self._streams: dict[tuple, Any] = {}
-        self._step, self._history = 0, {}  # begin_step(), remember()
+        self.start_decode(None)
 
     @property
     def device(self) -> torch.device:
@@ -205,9 +201,14 @@ class LiveSide(SideDefaults):
         return self._streams[key]
 
     def start_decode(self, stepper: Any) -> None:
-        """Decode steps start with ``stepper``: every experiment cache, remembered call and
-        step count of this side and of its precisions anew."""
-        self.stepper, self._streams, self._step, self._history = stepper, {}, 0, {}
+        """Decode steps start with ``stepper`` (``None``: none do): every experiment cache
+        (:meth:`stream`), remembered call (:meth:`remember`) and step count of this side
+        and of its precisions anew."""
+        # How this model runs a step and makes a cache (blockdiff.decoding), and the caches
+        # its experiments carry from step to step.
+        self.stepper: Any = stepper
+        self._streams: dict[tuple, Any] = {}
+        self._step, self._history = 0, {}
         for side in self._precisions.values():
             side.start_decode(stepper)
 
@@ -399,8 +400,7 @@ class PrecisionSide(LiveSide):
         self._device = device
         self._copy: nn.Module | None = None
         self._compiled, self._precisions, self.lockstep = {}, {}, side.lockstep
-        self.stepper, self._streams = side.stepper, {}
-        self._step, self._history = 0, {}
+        self.start_decode(side.stepper)
 
     @property
     def device(self) -> torch.device:
