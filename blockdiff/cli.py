@@ -464,6 +464,16 @@ def report_command(report_path: str, plot_path: str | None, html_path: str | Non
     help="Measure every check's noise floor at these precisions and store them in the dump, so that "
     "replaying a candidate in one of them is calibrated like a live diff (device default: --device).",
 )
+@click.option(
+    "--decode",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="After the prompt (the inputs), N decode steps with a KV cache, every step written (docs/decode.md); "
+    "`blockdiff diff OUT CANDIDATE` then replays the candidate's decode against it.",
+)
+@click.option("--cache", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
+              help="With --decode: the Hugging Face cache to decode with.")
 @debug_option
 def capture_command(
     model: str,
@@ -479,6 +489,8 @@ def capture_command(
     compress: str | None,
     durable: bool,
     floors: str | None,
+    decode: int | None,
+    cache: str,
 ) -> None:
     """Run MODEL once and stream every site into an HDF5 dump.
 
@@ -494,6 +506,8 @@ def capture_command(
       blockdiff capture samples/tinylm.py:build --out golden.h5 \\
         --floors bfloat16,float16
       blockdiff diff golden.h5 samples/bugs.py:gelu_for_silu --cand-dtype bfloat16
+      blockdiff capture samples/hf_llama.py:build --out dec.h5 --decode 8 --seq 8
+      blockdiff diff dec.h5 samples/decode_bugs.py:cache_one_slot_early
     """
     from . import engine, hookmap
     from .dtypes import parse_dtype
@@ -504,7 +518,7 @@ def capture_command(
     made = engine.capture(
         model, _inputs_spec(tokens, inputs_path, batch, seq, seed), out,
         hooks=hookmap.load(hooks_path) if hooks_path else None, compress=compress, label=model, floors=precisions,
-        durable=durable, device=r_device, dtype=r_dtype,
+        durable=durable, device=r_device, dtype=r_dtype, decode=decode or 0, cache=cache,
     )
     if made is not None:
         click.echo(f"inputs: {made}", err=True)

@@ -19,7 +19,12 @@ recorded and localized like a forward pass (docs/decode.md):
 How a model runs a step is a *stepper*: :class:`HFStepper` for Hugging Face models
 (``DynamicCache`` or ``StaticCache`` through ``cache=``/``past_key_values=``); a model with a
 cache of its own provides one as its ``blockdiff_stepper`` attribute (an object with
-``new_cache(model)`` and ``run(model, ids, cache)`` returning the logits).
+``new_cache(model)`` and ``run(model, ids, cache)`` returning the logits, and — for a cache
+kept in the modules' buffers — ``cache_buffers``, the buffers' names, so that every
+experiment gets buffers of its own: :class:`~blockdiff.hooking.BufferCache`).
+
+A reference's decode can be captured into a dump (schema 5: :func:`stored` reads it back),
+and a candidate's decode replayed against it.
 """
 
 from __future__ import annotations
@@ -34,9 +39,12 @@ from torch import nn
 
 from .compare import metrics
 from .errors import InputError, run_model_code
+from .inputs import run_model
+from .hooking import BufferCache
 from .report import Check, SubpathResult
 from .sides import Side
-from .site import holds_cache, map_structure
+from .sides.live import cache_buffers
+from .site import map_structure
 from .store import MemoryStore
 from .vocab import KV_KEYS, KV_VALUES
 
@@ -79,8 +87,14 @@ class HFStepper:
     def run(self, model: nn.Module, ids: torch.Tensor, cache: Any) -> torch.Tensor:
         params = inspect.signature(model.forward).parameters
         name = "cache" if "cache" in params else "past_key_values"
-        out = model(input_ids=ids, use_cache=True, **{name: cache})
-        return out.logits if hasattr(out, "logits") else out[0]
+        return logits_of(model(input_ids=ids, use_cache=True, **{name: cache}))
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """A causal LM's logits: the output itself, its ``logits``, or its first element."""
+    if isinstance(output, torch.Tensor):
+        return output
+    return output.logits if hasattr(output, "logits") else output[0]
 
 
 def stepper_for(model: nn.Module, *, kind: str, length: int) -> Stepper:
@@ -120,16 +134,73 @@ class StepCall:
         return self.logits
 
 
+Layer = tuple[torch.Tensor, torch.Tensor]  # a cache layer's keys and values, [batch, kv_heads, positions, head_dim]
+
+
+class CacheLog:
+    """What a side's cache held after each step, kept as what each step wrote: per step and
+    cache layer, the keys and values of the positions it fed and how many positions the
+    layer held (a sliding window holds its last ones), so the memory is linear in the steps
+    (a copy of the whole cache per step would be quadratic). Exact for a cache that writes
+    each new position after the ones before and leaves those as they were."""
+
+    def __init__(self, pieces: list[list[tuple[torch.Tensor, torch.Tensor, int] | None] | None] | None = None) -> None:
+        self.pieces = list(pieces or [])
+
+    def add(self, contents: list[Layer | None] | None, length: int, fed: int) -> None:
+        """The cache after a step that fed ``fed`` tokens, ``length`` in all so far."""
+        if contents is None:
+            self.pieces.append(None)
+            return
+        step = []
+        for layer in contents:
+            if layer is None:
+                step.append(None)
+                continue
+            keys, values = filled(layer[0], length), filled(layer[1], length)
+            n = min(fed, keys.shape[2])
+            step.append((keys[:, :, keys.shape[2] - n:].to("cpu", copy=True), values[:, :, values.shape[2] - n:].to("cpu", copy=True), int(keys.shape[2])))
+        self.pieces.append(step)
+
+    def at(self, step: int) -> list[Layer | None] | None:
+        """Per layer, the keys and values held after ``step`` (``None``: a layer not written;
+        the whole ``None``: a cache blockdiff could not read, or no step recorded)."""
+        if step >= len(self.pieces) or self.pieces[step] is None:
+            return None
+        found: list[Layer | None] = []
+        for layer, last in enumerate(self.pieces[step]):  # type: ignore[arg-type]
+            if last is None:
+                found.append(None)
+                continue
+            held = last[2]
+            written = [p[layer] for p in self.pieces[: step + 1] if p is not None and layer < len(p) and p[layer] is not None]
+            keys = torch.cat([w[0] for w in written], dim=2)[:, :, -held:]
+            values = torch.cat([w[1] for w in written], dim=2)[:, :, -held:]
+            found.append((keys, values))
+        return found
+
+    def to_structure(self) -> list:
+        """As a dump stores it (:meth:`~blockdiff.dump.DumpWriter.add_decode`)."""
+        return [None if step is None else [None if l is None else {"keys": l[0], "values": l[1], "held": l[2]} for l in step]
+                for step in self.pieces]
+
+    @classmethod
+    def from_structure(cls, stored: Any) -> "CacheLog":
+        """What :meth:`to_structure` gave, read back from a dump."""
+        return cls([None if step is None else [None if l is None else (l["keys"], l["values"], int(l["held"])) for l in step]
+                    for step in stored or []])
+
+
 @dataclass
 class Decoded:
     """One side's decode: each step's record, the greedy token it chose after each step
-    (``[batch]``), and what its cache held after each step (per layer: keys, values; kept
-    for the reference only, ``None`` otherwise)."""
+    (``[batch]``), and what its cache held after each step (kept for the reference only;
+    empty otherwise)."""
 
-    stores: list[MemoryStore] = field(default_factory=list)
+    stores: list[Any] = field(default_factory=list)
     recordings: list[Any] = field(default_factory=list)  # what each step's record holds by reference
     greedy: list[torch.Tensor] = field(default_factory=list)
-    caches: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = field(default_factory=list)
+    caches: CacheLog = field(default_factory=CacheLog)
 
 
 def decode(
@@ -144,7 +215,7 @@ def decode(
     checks compare against it), copied, since a static cache is written in place."""
     model = side.module("")  # type: ignore[attr-defined]
     cache = stepper.new_cache(model)
-    found, ids = Decoded(), prompt
+    found, ids, length = Decoded(), prompt, 0
     for step in range(steps + 1):
         store = MemoryStore(side.meta)
         call = StepCall(ids, cache, stepper)
@@ -152,7 +223,9 @@ def decode(
         assert call.logits is not None
         found.stores.append(store)
         found.greedy.append(call.logits[:, -1].argmax(-1).cpu())
-        found.caches.append(cache_contents(cache) if contents else None)
+        length += ids.shape[1]
+        if contents:
+            found.caches.add(contents_of(model, stepper, cache), length, ids.shape[1])
         ids = (tokens[step] if tokens is not None else found.greedy[-1])[:, None]
     return found
 
@@ -164,11 +237,9 @@ def uncached(side: Side, prompt: torch.Tensor, steps: int) -> Decoded:
     t — so that each of the cached run's steps pairs with the same position run uncached."""
     model = side.module("")  # type: ignore[attr-defined]
     found, ids = Decoded(), prompt
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     with torch.no_grad():
         for _ in range(steps + 1):
-            out = model(input_ids=ids.to(device), use_cache=False)
-            logits = out.logits if hasattr(out, "logits") else out[0]
+            logits = logits_of(run_model(model, ids))
             found.greedy.append(logits[:, -1].argmax(-1).cpu())
             ids = torch.cat([ids, found.greedy[-1][:, None]], dim=1)
     whole = MemoryStore(side.meta)
@@ -181,7 +252,26 @@ def uncached(side: Side, prompt: torch.Tensor, steps: int) -> Decoded:
         for site in whole.sites():
             store.add(_positions(site, lo, hi, length))
         found.stores.append(store)
-        found.caches.append(None)
+    return found
+
+
+def stored_steps(side: Side) -> int | None:
+    """How many decode steps a dump side holds after its prompt, ``None`` for a side that
+    is not a dump of a decode (schema 5)."""
+    steps = getattr(getattr(side, "store", None), "steps", None)
+    return steps() if callable(steps) else None
+
+
+def stored(side: Side, steps: int) -> Decoded:
+    """A dump's decode, as :func:`decode` gives a live one: each step's sites (read from the
+    file when localized), the greedy tokens it fed, what its cache held."""
+    dump = side.store
+    found = Decoded(stores=[dump.at_step(step) for step in range(steps + 1)])  # type: ignore[union-attr]
+    held = dump.decode() or {}  # type: ignore[union-attr]
+    found.greedy = [t.cpu() for t in held.get("greedy", [])][: steps + 1]
+    found.caches = CacheLog.from_structure(held.get("cache"))
+    if len(found.greedy) < steps + 1:
+        raise InputError(f"{side.meta.get('dump')}: the dump's decode holds {len(found.greedy)} steps' tokens, {steps + 1} needed")
     return found
 
 
@@ -198,8 +288,35 @@ def remember(side: Side, store: MemoryStore) -> None:
     """The reference's own calls of this step, for the later steps' drill-downs (which
     replay its modules' children on the cache its run held): remembered, not run."""
     for site in store.sites():
-        if site.subpath is not None and holds_cache(site):
+        if site.subpath is not None and side.keeps_cache(site.module, site):  # type: ignore[attr-defined]
             side.remember(site.module, site, None)  # type: ignore[attr-defined]
+
+
+def contents_of(model: nn.Module, stepper: Stepper, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """What a side's own cache holds after a step (its own tensors, read at once), per
+    layer: a cache handed to the modules (:func:`cache_contents`), or the buffers the
+    stepper names (``cache_buffers``), one layer per module holding both, in the model's
+    module order."""
+    names = cache_buffers(stepper)
+    if not names:
+        return cache_contents(cache, copy=False)
+    found: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for module in model.modules():
+        if len(names) >= 2 and names[0] in module._buffers and names[1] in module._buffers:
+            keys, values = module._buffers[names[0]], module._buffers[names[1]]
+            ok = isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.numel()
+            found.append((keys.detach(), values.detach()) if ok else None)
+    return found
+
+
+def layer_of(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(keys, values) that an experiment's cache holds for cache layer ``layer``, read at
+    once (no copies): a cache in buffers holds one module's, whatever its layer."""
+    if isinstance(cache, BufferCache):
+        found = cache.layer()
+        return None if found is None else (found[0].detach().cpu(), found[1].detach().cpu())
+    held = cache_contents(cache, copy=False)
+    return None if held is None or layer >= len(held) else held[layer]
 
 
 def cache_contents(cache: Any, *, copy: bool = True) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
@@ -237,23 +354,21 @@ def kv_checks(experiments: Any, ref: Side, cand: Side, pair_blocks: list[Any], r
     for index, ref_path, cand_path, layer in pair_blocks:
         if layer >= len(reference) or reference[layer] is None:
             continue
-        mine = cache_contents(cand.stream(("module", cand_path)), copy=False)  # type: ignore[attr-defined]
-        if mine is None or layer >= len(mine) or mine[layer] is None:
+        mine = layer_of(cand.stream(("module", cand_path)), layer)  # type: ignore[attr-defined]
+        if mine is None:
             continue
-        floor_cache = None
         floors = experiments.floor_side
-        if floors is not None:
-            floor_cache = cache_contents(floors.stream(("module", ref_path)), copy=False)
+        floor_layer = None if floors is None else layer_of(floors.stream(("module", ref_path)), layer)
         checks = []
         for what, which in ((KV_KEYS, 0), (KV_VALUES, 1)):
             expected = filled(reference[layer][which], length)
-            got = filled(mine[layer][which], length)
+            got = filled(mine[which], length)
             if expected.shape != got.shape:
                 n = min(expected.shape[2], got.shape[2])
                 expected, got = expected[:, :, -n:], got[:, :, -n:]
             floor = None
-            if floor_cache is not None and layer < len(floor_cache) and floor_cache[layer] is not None:
-                f = filled(floor_cache[layer][which], length)
+            if floor_layer is not None:
+                f = filled(floor_layer[which], length)
                 if f.shape == expected.shape:
                     floor = metrics(expected, f, dtype=experiments.dtype).rel_l2
             check = experiments.check("attention", what, cand_path, expected, got, floor)
@@ -299,6 +414,6 @@ def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None
 
 
 __all__ = [
-    "CACHE_KINDS", "Decoded", "HFStepper", "StepCall", "Stepper", "add_kv_checks", "attention_layers",
-    "cache_contents", "decode", "first_difference", "kv_checks", "remember", "stepper_for",
+    "CACHE_KINDS", "CacheLog", "Decoded", "HFStepper", "StepCall", "Stepper", "add_kv_checks", "attention_layers",
+    "cache_contents", "contents_of", "decode", "first_difference", "kv_checks", "layer_of", "remember", "stored", "stored_steps", "stepper_for",
 ]

@@ -42,7 +42,7 @@ from .dump.format import (
     FORMAT,
     NUMPY_NATIVE_NAMES,
     RAW_BITS_UNSIGNED,
-    SCHEMA_VERSION,
+    FORWARD_SCHEMA,
     STANDARD_ATTRIBUTES,
     attr,
     encode_meta,
@@ -54,7 +54,7 @@ from .errors import DumpError
 
 # The schema this module writes: the native writer's, whose file code it shares (a reader
 # reads every older schema too, foreign dumps of schema 3 included).
-WRITES_SCHEMA = SCHEMA_VERSION
+WRITES_SCHEMA = FORWARD_SCHEMA
 # Dtypes stored as raw bits, by the name numpy (ml_dtypes) and torch both give them.
 _RAW_BITS_NAMES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 

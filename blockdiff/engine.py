@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from . import decoding, distributed
+from . import backward, decoding, distributed
 from ._version import __version__
 from .capture import TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
@@ -85,6 +85,12 @@ class Options:
         uncached_reference: with ``decode``, the reference runs without a cache (its whole
             sequence at once, paired position by position with the candidate's steps): a
             model against its own cache. :func:`run` sets it when no candidate is given.
+        backward: after the forward diff, both sides run forward and backward on the same
+            inputs and loss, and the gradients are localized from the head to the
+            embedding: ``report.backward`` (:mod:`blockdiff.backward`, docs/backward.md).
+        loss: the loss of ``backward``: ``"module:function"`` or ``"path/file.py:function"``
+            or a callable ``loss(output, inputs)``; ``None``: next-token cross-entropy on
+            the input ids.
     """
 
     tolerance: Tolerance | None = None
@@ -102,6 +108,8 @@ class Options:
     decode: int = 0
     caches: tuple[str, str] = ("dynamic", "dynamic")
     uncached_reference: bool = False
+    backward: bool = False
+    loss: str | Callable[[Any, Any], Any] | None = None
 
     @classmethod
     def of(cls, options: "Options | None" = None, **fields_: Any) -> "Options":
@@ -161,8 +169,11 @@ def run(
         raise InputError("a candidate dump needs a reference dump: blockdiff diff REF.h5 CAND.h5")
     if options.save_dumps is not None and "dump" in (ref_kind, cand_kind):
         raise InputError("--save-dumps keeps the captures of a live diff; here a side is already a dump")
-    if options.decode and "dump" in (ref_kind, cand_kind):
-        raise InputError("--decode runs both models live: dumps of decode steps are not written or replayed yet")
+    if options.decode and cand_kind == "dump":
+        raise InputError(
+            "--decode replays a live candidate against a reference dump of a decode (blockdiff capture MODEL "
+            "--decode N): two dumps of decodes are not compared"
+        )
     with distributed.lockstep(), ExitStack() as opened:
         ref = open_side(
             "reference", reference, opened=opened, hooks=options.reference_hooks, label=options.labels[0],
@@ -174,6 +185,9 @@ def run(
         )
         check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
         if not ref.live:
+            stored_steps = decoding.stored_steps(ref)
+            if stored_steps is not None or options.decode:
+                return _replayed_decode(ref, cand, inputs, options, stored_steps)
             if not cand.live:
                 return _offline(ref, cand, options)
             return _replayed(ref, cand, inputs, options)
@@ -267,6 +281,15 @@ def _live(ref: Side, cand: Side, inputs: Inputs, options: Options) -> Report:
         return _decoded(ref, cand, inputs, options)
     lockstep = ref.lockstep or cand.lockstep
     localize = lambda free_run: _localize(ref, cand, inputs, options, free_run=free_run)  # noqa: E731
+    # -- --backward: the gradients localized after the forward (blockdiff.backward) --
+    if options.backward:
+        if options.save_dumps is not None or options.stream or options.rank or lockstep:
+            raise InputError("--backward runs in memory, on one process: not with --stream, --save-dumps, --rank or torchrun")
+        forward = localize
+        localize = lambda free_run: backward.judge(  # noqa: E731
+            ref, cand, inputs, forward(free_run), tolerance=options.tolerance, loss=options.loss
+        )
+    # -- end of --backward --
     with ExitStack() as stack:
         stack.enter_context(ref.running())
         stack.enter_context(cand.running())
@@ -304,6 +327,31 @@ def _takes(cand: Side, inputs: Inputs) -> None:
     cand.inputs(inputs)
 
 
+def _replayed_decode(ref: Side, cand: Side, inputs: Any, options: Options, stored_steps: int | None) -> Report:
+    """A reference dump of a decode and a live candidate: the candidate decodes the dump's
+    prompt fed the dump's greedy tokens, every step localized against the dump's step."""
+    where = ref.meta["dump"]
+    if stored_steps is None:
+        raise InputError(
+            f"{where} holds one forward pass, not decode steps: capture the reference's decode "
+            "(blockdiff capture MODEL --out REF.h5 --decode N) to replay --decode against it"
+        )
+    if not cand.live:
+        raise InputError(f"{where} holds decode steps: replay a live candidate against it (two dumps of decodes are not compared)")
+    steps = options.decode or stored_steps
+    if steps > stored_steps:
+        raise InputError(f"{where} holds {stored_steps} decode steps; --decode {steps} asks for more")
+    given = None if inputs is None or isinstance(inputs, RandomTokens) else cand.inputs(inputs)[0]
+    prompt = ref.inputs(given)[0]
+    if prompt is None:
+        raise DumpError(f"{where}: the dump holds no model inputs to replay", path=str(where))
+    _takes(cand, prompt)
+    captured = (ref.store.meta.get("decode") or {}).get("cache", options.caches[0])  # type: ignore[union-attr]
+    report = _decoded(ref, cand, prompt, replace(options, decode=steps, caches=(captured, options.caches[1])))
+    report.notes.insert(1, f"replay: the reference is the decode dump {where} ({stored_steps} steps, {steps} replayed)")
+    return report
+
+
 def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
     """Both sides live, decoding: the prompt prefilled (step 0), then ``options.decode``
     steps of one token fed to both (the reference's greedy choice), each side with its own
@@ -316,11 +364,11 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
     if options.decode < 0:
         raise InputError(f"--decode must be a number of steps, found {options.decode}")
     length = prompt.shape[1] + options.decode + 1
-    for side in (ref, cand):
+    for side in (ref, cand) if ref.live else (cand,):
         if not hasattr(side, "start_decode"):
             raise InputError(f"the {side.name} cannot decode: decode steps need live PyTorch models")
     steppers = [
-        decoding.stepper_for(side.module(""), kind=kind, length=length)  # type: ignore[attr-defined]
+        decoding.stepper_for(side.module(""), kind=kind, length=length) if side.live else None  # type: ignore[attr-defined]
         for side, kind in zip((ref, cand), options.caches)
     ]
     steps = options.decode
@@ -334,13 +382,17 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
         in place meanwhile, the whole attempt runs again on copies)."""
         hold = None if copy else "kept"
         for side, stepper in zip((ref, cand), steppers):
-            side.start_decode(stepper)  # type: ignore[attr-defined]  # fresh experiment caches
-        if options.uncached_reference:
+            if side.live:
+                side.start_decode(stepper)  # type: ignore[attr-defined]  # fresh experiment caches
+        if not ref.live:
+            ref_run = decoding.stored(ref, steps)
+        elif options.uncached_reference:
             ref_run = run_model_code("reference", decoding.uncached, ref, prompt, steps)
         else:
             ref_run = run_model_code("reference", decoding.decode, ref, prompt, steps, steppers[0], hold=hold, contents=True)
         cand_run = run_model_code("candidate", decoding.decode, cand, prompt, steps, steppers[1], ref_run.greedy, hold=hold)
-        floor = ref.in_precision(working_dtype(ref.dtype, cand.dtype), cand.device) if tolerance.calibrated else None
+        live_floors = tolerance.calibrated and ref.live
+        floor = ref.in_precision(working_dtype(ref.dtype, cand.dtype), cand.device) if live_floors else None
         floor_run = None
         if floor is not None and not floor.runs_as(cand):
             floor_run = run_model_code("reference", decoding.decode, floor, prompt, steps, steppers[0], ref_run.greedy, hold=hold)
@@ -348,14 +400,14 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
         reports = []
         for step in range(steps + 1):
             for side in (ref, cand, floor):
-                if side is not None:
+                if side is not None and side.live:
                     side.begin_step()  # type: ignore[attr-defined]
             ref.store, cand.store = ref_run.stores[step], cand_run.stores[step]
             free = floor_run.stores[step] if floor_run is not None else cand.store
             length = prompt.shape[1] + step
 
             def complete(localizer: Localizer, blocks: list, step: int = step, length: int = length) -> None:
-                found = decoding.kv_checks(localizer.experiments, ref, cand, layers, ref_run.caches[step] or [], length, step)
+                found = decoding.kv_checks(localizer.experiments, ref, cand, layers, ref_run.caches.at(step) or [], length, step)
                 decoding.add_kv_checks(blocks, found)
 
             reports.append(
@@ -364,7 +416,8 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
             )
             # The reference's own calls, for the next steps' drill-downs (they replay its
             # modules' children on the cache its run held then).
-            decoding.remember(ref, ref.store)
+            if ref.live:
+                decoding.remember(ref, ref.store)
         runs = [ref_run, cand_run, *([floor_run] if floor_run is not None else [])]
         if any(recording.changed() for run in runs for recording in run.recordings):
             raise TensorChanged("a model changed a recorded tensor in place while its decode was localized")
@@ -474,6 +527,8 @@ def capture(
     durable: bool = False,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    decode: int = 0,
+    cache: str = "dynamic",
 ) -> str | None:
     """Run ``model`` once on ``inputs`` and stream every site into the dump ``out``.
 
@@ -491,6 +546,11 @@ def capture(
             diff) and runs the model's modules again at each precision.
         durable: flush the dump to disk before it is renamed into place (see
             :class:`~blockdiff.dump.DumpWriter`).
+        decode: after the prompt (the inputs' token ids), this many decode steps with a KV
+            cache (``cache``: ``"dynamic"`` or ``"static"`` for a Hugging Face model, else the
+            model's own step adapter), every step's sites, tokens and cache contents
+            written (schema 5), for ``blockdiff diff OUT CANDIDATE`` to replay a candidate's
+            decode against (docs/decode.md). Held in memory until written.
 
     Returns:
         A note on what blockdiff made up of the inputs (random token ids), or ``None``.
@@ -501,6 +561,9 @@ def capture(
             raise InputError(f"{model}: a dump cannot be captured again; capture a model")
         concrete, made = side.inputs(inputs)
         check_inputs(concrete)
+        if decode:
+            _capture_decode(side, concrete, out, steps=decode, cache=cache, floors=floors, compress=compress, durable=durable)
+            return made
         with side.running(), _rank_zero_writes(out) as out:
             if not floors:
                 _stream(side, concrete, out, compress=compress, durable=durable)
@@ -521,6 +584,30 @@ def capture(
                     writer.add(site)
                 writer.add_floors(measured)
         return made
+
+
+def _capture_decode(
+    side: Side, prompt: Inputs, out: str | Path, *, steps: int, cache: str, floors: Sequence, compress: str | None, durable: bool
+) -> None:
+    """A decode of ``steps`` steps on ``side`` (its own greedy tokens), written as a dump of
+    schema 5: every step's sites with their step, the tokens fed, the cache's contents."""
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.is_floating_point():
+        raise InputError("decode steps need token ids [batch, tokens] as the prompt")
+    if floors:
+        raise InputError("--floors with --decode: noise floors are not stored for decode steps; a replay judges with fixed thresholds")
+    if side.lockstep:
+        raise InputError("--decode captures on one process: not under torchrun")
+    stepper = decoding.stepper_for(side.module(""), kind=cache, length=prompt.shape[1] + steps + 1)  # type: ignore[attr-defined]
+    with side.running():
+        side.start_decode(stepper)  # type: ignore[attr-defined]
+        found = run_model_code(side.name, decoding.decode, side, prompt, steps, stepper, hold=None, contents=True)
+    meta = {**_dump_meta(side, prompt), "decode": {"steps": steps, "prompt_length": int(prompt.shape[1]), "cache": cache}}
+    with DumpWriter(out, meta=meta, compress=compress, durable=durable, decode=True) as writer:
+        writer.add_inputs(prompt)
+        for step, store in enumerate(found.stores):
+            for site in store.sites():
+                writer.add(site, step=step)
+        writer.add_decode({"greedy": found.greedy, "cache": found.caches.to_structure()})
 
 
 @contextmanager
@@ -647,6 +734,8 @@ def _localize(
     elif tolerance.calibrated and not localizer.experiments.calibrated:
         if floors:
             why = f"it stores floors for {', '.join(floors)}, not for the candidate's {label}"
+        elif options.decode:
+            why = "floors are not stored for decode steps; diff the live reference to calibrate"
         else:
             why = f"it stores none: capture it with --floors {label}"
         report.notes.append(

@@ -62,13 +62,16 @@ def export_safetensors(dump_path: str | Path, out: str | Path) -> dict[str, Any]
     out = Path(out)
     tensors: dict[str, torch.Tensor] = {}
     with DumpReader(dump_path) as dump:
-        for site in dump.iter_sites():
-            base = f"{site.module}#{site.call}"
-            parts: list[tuple[str, Any]] = [("output", site.output), ("args", site.args)]
-            parts += [(f"kwargs/{name}", value) for name, value in site.kwargs.items()]
-            for part, value in parts:
-                for i, t in enumerate(iter_tensors(value)):
-                    tensors[f"{base}/{part}/{i}"] = t.contiguous()
+        steps = dump.steps()  # a decode's sites are named by step: step3/MODULE#CALL/...
+        views = [("", dump)] if steps is None else [(f"step{t}/", dump.at_step(t)) for t in range(steps + 1)]
+        for prefix, view in views:
+            for site in view.iter_sites():
+                base = f"{prefix}{site.module}#{site.call}"
+                parts: list[tuple[str, Any]] = [("output", site.output), ("args", site.args)]
+                parts += [(f"kwargs/{name}", value) for name, value in site.kwargs.items()]
+                for part, value in parts:
+                    for i, t in enumerate(iter_tensors(value)):
+                        tensors[f"{base}/{part}/{i}"] = t.contiguous()
         inputs = dump.inputs()
         for i, t in enumerate(iter_tensors(inputs)):
             tensors[f"inputs/{i}"] = t.contiguous()

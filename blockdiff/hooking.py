@@ -80,4 +80,63 @@ class Hooks:
         self._undo.append(undo)
 
 
-__all__ = ["Hooks"]
+class BufferCache:
+    """A KV cache a model keeps in its own modules' buffers (a step adapter's
+    ``cache_buffers``: keys first, then values), held apart from the model: what one
+    experiment on ``module`` writes into while the model's own cache stays as its run left
+    it. Made empty — zeros shaped like the buffers at hand — and swapped in around each
+    run (:meth:`into`); whatever the run leaves in a buffer (written in place or assigned
+    anew) is kept for the next run.
+
+    Args:
+        module: the module an experiment runs (its subtree's buffers of those names).
+        names: the buffer names, e.g. ``("k_cache", "v_cache")``.
+    """
+
+    def __init__(self, module: nn.Module, names: tuple[str, ...]) -> None:
+        self.names = tuple(names)
+        self.tensors: dict[str, Any] = {}
+        for rel, owner in module.named_modules():
+            for name in self.names:
+                held = owner._buffers.get(name, _MISSING)
+                if held is not _MISSING:
+                    self.tensors[f"{rel}.{name}" if rel else name] = None if held is None else held.new_zeros(held.shape)
+
+    @staticmethod
+    def held_by(module: nn.Module, names: tuple[str, ...]) -> bool:
+        """Whether ``module`` or one of its children has a buffer of those names."""
+        return any(name in owner._buffers for owner in module.modules() for name in names)
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    def into(self, module: nn.Module) -> "Hooks":
+        """A :class:`Hooks` context for a run of ``module`` on this cache: the buffers
+        swapped in, and on closing read back and the module's own put back."""
+        hooks = Hooks()
+        for full, tensor in self.tensors.items():
+            rel, _, name = full.rpartition(".")
+            owner = module.get_submodule(rel)
+            own = owner._buffers[name]
+            owner._buffers[name] = tensor
+
+            def undo(owner: nn.Module = owner, name: str = name, full: str = full, own: Any = own) -> None:
+                self.tensors[full] = owner._buffers[name]
+                owner._buffers[name] = own
+
+            hooks._undo.append(undo)
+        return hooks
+
+    def layer(self) -> tuple[Any, Any] | None:
+        """(keys, values) of the first module holding both buffers, ``None`` while empty."""
+        for full, keys in self.tensors.items():
+            rel, _, name = full.rpartition(".")
+            if name != self.names[0] or len(self.names) < 2:
+                continue
+            values = self.tensors.get(f"{rel}.{self.names[1]}" if rel else self.names[1])
+            if keys is not None and values is not None and keys.numel():
+                return keys, values
+        return None
+
+
+__all__ = ["BufferCache", "Hooks"]

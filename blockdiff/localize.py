@@ -97,7 +97,7 @@ class Localizer:
 
     def stages(self) -> Iterator[StageResult]:
         """Local errors and drift of the sites outside blocks (embed, context, final norm, head)."""
-        pairs = pair_outside(self.ref.store, self.cand.store, self.ref.layout, self.cand.layout)
+        pairs = pair_outside(self.ref.store, self.cand.store, self.ref.layout, self.cand.layout, self.notes)
         for r, c in pairs:
             if not self._here(None, c.module):
                 continue

@@ -25,15 +25,65 @@ def check_block_counts(reference: int, candidate: int) -> None:
         )
 
 
-def check_paired(reference: dict[SiteKey, Site], candidate: dict[SiteKey, Site]) -> None:
-    """Every key on both sides, or a :class:`PairingError` naming the first that is not."""
+def check_paired(
+    reference: dict[SiteKey, Site], candidate: dict[SiteKey, Site], layouts: tuple[Layout | None, Layout | None] = (None, None)
+) -> None:
+    """Every key on both sides, or a :class:`PairingError` naming the first that is not:
+    the side it is missing on, the module that recorded it and the hook-map key to change."""
     unpaired = sorted(set(reference) ^ set(candidate), key=str)
     if unpaired:
-        side = "candidate" if unpaired[0] in reference else "reference"
+        key = unpaired[0]
+        here, missing = ("reference", "candidate") if key in reference else ("candidate", "reference")
+        site = (reference if key in reference else candidate)[key]
+        layout = layouts[0] if here == "reference" else layouts[1]
+        where = f"the {here}'s `{site.module}`"
+        if layout is not None:
+            where += f" (hook map {layout.hook_map.name!r}, key {_map_key(site)})"
         raise PairingError(
-            f"{describe_key(unpaired[0])}: recorded on one side only (missing in the {side}); "
-            "the two models have different anatomy, or a hook map is wrong (`blockdiff arch`)"
+            f"{describe_key(key)}: recorded on one side only, by {where}, and missing in the {missing}; "
+            f"the two models have different anatomy, or a hook map is wrong: drop that key from the {here}'s map "
+            f"or add the module to the {missing}'s (`blockdiff arch`, docs/hook-maps.md)"
         )
+
+
+def _map_key(site: Site) -> str:
+    """The hook-map key that made ``site`` a site: ``[outside] STAGE`` or ``[blocks.subpaths] SUBPATH``."""
+    if site.block is None:
+        return f"[outside] {site.stage}"
+    if site.subpath is None:
+        return "[blocks] path"
+    return f"[blocks.subpaths] {site.subpath}"
+
+
+# Stages a model may do without: rotary tables kept as a tensor have no module.
+OPTIONAL_STAGES = ("context",)
+
+
+def one_sided_stages(
+    reference: dict[SiteKey, Site], candidate: dict[SiteKey, Site], layouts: tuple[Layout | None, Layout | None]
+) -> list[str]:
+    """Drop from both the optional stages — :data:`OPTIONAL_STAGES`, and those a side's
+    hook map marks ``optional`` — that only one side recorded; a note for each."""
+    optional = set(OPTIONAL_STAGES)
+    for layout in layouts:
+        if layout is not None:
+            optional.update(layout.hook_map.optional)
+    notes = []
+    for stage in sorted(optional):
+        ref_keys = [k for k, s in reference.items() if s.stage == stage]
+        cand_keys = [k for k, s in candidate.items() if s.stage == stage]
+        if bool(ref_keys) == bool(cand_keys):
+            continue
+        here, keys, sites = ("reference", ref_keys, reference) if ref_keys else ("candidate", cand_keys, candidate)
+        modules = ", ".join(sites[k].module for k in keys)
+        for k in keys:
+            del sites[k]
+        notes.append(
+            f"{stage}: only the {here} has this stage ({modules}); the {'candidate' if here == 'reference' else 'reference'} "
+            f"computes it inside other modules (rotary tables kept as a tensor, say), so it is left out of the pairing: "
+            f"its errors show in the blocks that use it"
+        )
+    return notes
 
 
 def in_order(sites: dict[SiteKey, Site]) -> list[tuple[SiteKey, Site]]:
@@ -60,12 +110,17 @@ def pair_outside(
     candidate: SiteStore,
     ref_layout: Layout | None = None,
     cand_layout: Layout | None = None,
+    notes: list[str] | None = None,
 ) -> list[tuple[Site, Site]]:
     """The (reference, candidate) sites outside blocks — embed, context, final norm,
-    head — in execution order."""
+    head — in execution order; an optional stage only one side has is left out, with a
+    note in ``notes`` (:func:`one_sided_stages`)."""
     ref = with_activations(reference.outside_sites(), ref_layout)
     cand = with_activations(candidate.outside_sites(), cand_layout)
-    check_paired(ref, cand)
+    left_out = one_sided_stages(ref, cand, (ref_layout, cand_layout))
+    if notes is not None:
+        notes.extend(n for n in left_out if n not in notes)
+    check_paired(ref, cand, (ref_layout, cand_layout))
     return [(r, cand[key]) for key, r in in_order(ref)]
 
 
@@ -166,9 +221,9 @@ def pair_block(
         layout_block(ref_layout, index),
         layout_block(cand_layout, index),
     )
-    check_paired(ref, cand)
+    check_paired(ref, cand, (ref_layout, cand_layout))
     if pair.moe:
-        check_paired(ref_routers, cand_routers)
+        check_paired(ref_routers, cand_routers, (ref_layout, cand_layout))
     return pair
 
 
@@ -189,12 +244,14 @@ def output_position(site: Site) -> tuple:
 __all__ = [
     "BlockPair",
     "check_block_counts",
+    "OPTIONAL_STAGES",
     "check_paired",
     "in_order",
     "layout_block",
     "output_position",
     "outside_position",
     "pair_block",
+    "one_sided_stages",
     "pair_outside",
     "with_activations",
 ]

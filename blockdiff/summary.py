@@ -49,12 +49,18 @@ def site_summary(site: Site) -> dict[str, Any]:
 
 
 def summarize(dump: DumpReader) -> dict[str, Any]:
-    """The whole dump as plain data; reads one block's sites at a time."""
-    outside = [site_summary(s) for s in dump.outside_sites()]
-    blocks = [
-        {"index": index, "sites": [site_summary(s) for s in dump.block_sites(index)]}
-        for index in dump.block_indices()
-    ]
+    """The whole dump as plain data; reads one block's sites at a time. A dump of decode
+    steps (schema 5) lists every step's sites, each with its ``step``, step after step."""
+    steps = dump.steps()
+    views = [(None, dump)] if steps is None else [(t, dump.at_step(t)) for t in range(steps + 1)]
+    outside, blocks = [], []
+    for step, view in views:
+        stamp = {} if step is None else {"step": step}
+        outside += [{**site_summary(s), **stamp} for s in view.outside_sites()]
+        blocks += [
+            {"index": index, **stamp, "sites": [{**site_summary(s), **stamp} for s in view.block_sites(index)]}
+            for index in view.block_indices()
+        ]
     inputs = dump.inputs()
     return {
         "path": str(dump.path),
@@ -93,14 +99,24 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
             f"[green]verified[/]: {v['tensors']} tensors in {v['sites']} sites, {v['bytes']} bytes, every checksum matches",
             highlight=False,
         )
+    decode = summary["meta"].get("decode")
+    if isinstance(decode, dict):
+        console.print(
+            f"decode: the prompt ({decode.get('prompt_length')} tokens), then {decode.get('steps')} steps of one token "
+            f"({decode.get('cache')} cache); the sites of each step in turn", highlight=False,
+        )
     table = Table(box=box.SIMPLE_HEAD)
-    for name in ("site", "module", "output", "dtype", "statistics"):
-        table.add_column(name, no_wrap=True)
-    rows = summary["stages"][:]
-    before = [s for s in rows if s["stage"] in ("embed", "context")]
-    after = [s for s in rows if s["stage"] not in ("embed", "context")]
-    ordered = before + [s for b in summary["blocks"] for s in b["sites"]] + after
-    for site in ordered:
-        shape, dtype, numbers = _fmt(site["output"][0] if site["output"] else None)
-        table.add_row(site["site"], escape(site["module"]), shape, dtype, numbers)
+    columns = ("step", "site", "module", "output", "dtype", "statistics") if isinstance(decode, dict) else ("site", "module", "output", "dtype", "statistics")
+    for name in columns:
+        table.add_column(name, no_wrap=True, min_width=len(name))
+    by_step: dict[Any, list] = {}
+    for site in summary["stages"]:
+        by_step.setdefault(site.get("step"), [[], [], []])[0 if site["stage"] in ("embed", "context") else 2].append(site)
+    for block in summary["blocks"]:
+        by_step.setdefault(block.get("step"), [[], [], []])[1].extend(block["sites"])
+    for step, (before, inside, after) in by_step.items():
+        for site in before + inside + after:
+            shape, dtype, numbers = _fmt(site["output"][0] if site["output"] else None)
+            cells = (site["site"], escape(site["module"]), shape, dtype, numbers)
+            table.add_row(*((str(step),) + cells if isinstance(decode, dict) else cells))
     console.print(table)

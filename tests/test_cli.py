@@ -59,7 +59,7 @@ def factories(tmp_path: Path) -> Path:
     (tmp_path / "truncated.h5").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     (tmp_path / "garbage.h5").write_bytes(b"\x89HDF but not really" * 10)
     h5py.File(tmp_path / "foreign.h5", "w").close()
-    for name, attr, value in (("newer.h5", "schema_version", 5), ("incomplete.h5", "complete", False)):
+    for name, attr, value in (("newer.h5", "schema_version", 6), ("incomplete.h5", "complete", False)):
         (tmp_path / name).write_bytes(good.read_bytes())
         with h5py.File(tmp_path / name, "r+") as f:
             f.attrs[attr] = value
@@ -109,7 +109,7 @@ BAD_INPUTS = [
     (["diff", SAMPLE, "{tmp}/good.h5"], "a candidate dump needs a reference dump"),
     (["inspect", "{tmp}/truncated.h5"], "damaged"),
     (["inspect", "{tmp}/garbage.h5"], "is not an HDF5 file"),
-    (["inspect", "{tmp}/newer.h5"], "has schema version 5; this blockdiff reads up to 4: upgrade blockdiff"),
+    (["inspect", "{tmp}/newer.h5"], "has schema version 6; this blockdiff reads up to 5: upgrade blockdiff"),
     (["inspect", "{tmp}/incomplete.h5"], "is incomplete (the capture did not finish)"),
     (["inspect", "{tmp}/absent.h5"], "absent.h5: no such file"),
     (["export", "{tmp}/absent.h5", "{tmp}/out.safetensors"], "no such file"),

@@ -106,3 +106,28 @@ def test_cli_diffs_the_port(tmp_path, capsys):
         main(["diff", "samples/port.py:reference", "samples/port.py:port_gelu_for_silu", *hooks])
     assert exited.value.code == 1
     assert capsys.readouterr().out.startswith("first divergence: block 1 ffn (blocks.1.ffn)")
+
+
+def test_a_stage_only_one_side_has_by_nature_is_left_out_with_a_note(ids):
+    """A port computing its rotary angles inside the attention has no context stage; the
+    reference's rotary module is left out of the pairing, and the report says so."""
+    from samples import cached_lm
+
+    report = diff(port.reference(), cached_lm.port(), ids)
+    assert report.first_divergence is None
+    assert [s.stage for s in report.stages] == ["embed", "final_norm", "head"]
+    note = next(n for n in report.notes if n.startswith("context:"))
+    assert "only the reference has this stage (model.rotary_emb)" in note and "left out of the pairing" in note
+
+
+def test_a_stage_missing_on_one_side_names_the_side_the_module_and_the_map_key(ids):
+    from dataclasses import replace
+
+    from blockdiff import PairingError
+
+    without_norm = replace(port.PORT_HOOKS, outside={k: v for k, v in port.PORT_HOOKS.outside.items() if k != "final_norm"})
+    with pytest.raises(PairingError) as raised:
+        diff(port.reference(), port.port(), ids, reference_hooks=port.REFERENCE_HOOKS, candidate_hooks=without_norm)
+    message = str(raised.value)
+    assert "recorded on one side only, by the reference's `model.norm` (hook map 'llama-no-context', key [outside] final_norm)" in message
+    assert "missing in the candidate" in message and "drop that key from the reference's map" in message

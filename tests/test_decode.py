@@ -130,8 +130,6 @@ def test_a_decode_report_round_trips_and_a_schema_1_report_still_reads():
 def test_decode_refuses_what_it_cannot_do():
     with pytest.raises(InputError, match="token ids"):
         run(hf_llama.build(), hf_llama.build(), {"input_ids": IDS}, options=Options(decode=2))
-    with pytest.raises(InputError, match="dumps of decode steps"):
-        run("never.h5", hf_llama.build(), IDS, options=Options(decode=2))
     with pytest.raises(InputError, match="not with --stream"):
         run(hf_llama.build(), hf_llama.build(), IDS, options=Options(decode=2, stream=True))
     from samples import tinylm
@@ -168,3 +166,143 @@ def test_the_html_page_of_a_decode_shows_its_steps_by_blocks(tmp_path):
     row = page.split("<th>step 1</th>")[1].split("</tr>")[0]
     assert '<td class="bad">attention</td>' in row and "block 1 attention" in row
     assert "step 1 block 1 attention (kv cache: keys)" in page
+
+
+# A model that keeps its cache in its attention modules' buffers, written at input_pos
+# (samples/cached_lm.py), against the Hugging Face Llama whose weights it holds.
+OWN_CACHE = {
+    "write_one_slot_early": (1, 1, "attention", "kv cache: keys"),
+    # Rotary inside the attention: the attention is blamed (its cache holds the wrong keys).
+    "rotary_not_offset": (1, 1, "attention", "kv cache: keys"),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bug", OWN_CACHE)
+def test_a_model_with_its_cache_in_module_buffers_is_blamed_through_the_cli(bug, dtype, tmp_path, capsys):
+    code, out, err = run_cli(
+        ["diff", "samples/port.py:reference", f"samples/cached_lm.py:{bug}", "--decode", "3",
+         "--cand-dtype", dtype, "--json", str(tmp_path / "r.json")],
+        capsys,
+    )
+    assert code == 1, err
+    report = Report.from_dict(json.loads((tmp_path / "r.json").read_text()))
+    assert blamed(report) == OWN_CACHE[bug]
+    # The reference's rotary module has no counterpart: left out, and said.
+    assert any(note.startswith("context: only the reference has this stage (model.rotary_emb)") for note in report.notes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_with_its_own_cache_against_hugging_face_blames_nothing_and_keeps_its_cache(dtype):
+    from samples import cached_lm, port
+
+    reference, candidate = port.reference(), cached_lm.port().to(dtype)
+    report = run(reference, candidate, IDS, options=Options(decode=STEPS))
+    assert blamed(report) is None and all(step["first_divergence"] is None for step in report.steps)
+    for block in report.blocks:  # the buffers are read as a cache: keys and values compared
+        assert [c.what for c in block.subpaths["attention"].checks][:2] == ["kv cache: keys", "kv cache: values"]
+    # Every experiment wrote into buffers of its own: the model's cache holds its own decode.
+    held = [b.attn.kv_cache.k_cache.clone() for b in candidate.blocks]
+    again = cached_lm.port().to(dtype)
+    stepper = again.blockdiff_stepper
+    position = stepper.new_cache(again)
+    with torch.no_grad():
+        stepper.run(again, IDS, position)
+        for token in report_tokens(reference, IDS, STEPS)[:-1]:
+            stepper.run(again, token[:, None], position)
+    assert all(torch.equal(a, b.attn.kv_cache.k_cache) for a, b in zip(held, again.blocks))
+    # The other way round: its buffers are the reference's cache.
+    back = run(cached_lm.port(), port.reference(), IDS, options=Options(decode=STEPS))
+    assert blamed(back) is None and back.blocks[0].subpaths["attention"].checks[0].what == "kv cache: keys"
+
+
+def report_tokens(model, prompt, steps):
+    """The greedy tokens a decode feeds (the reference's, without a cache)."""
+    ids, found = prompt, []
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            found.append(model(ids, use_cache=False).logits[:, -1].argmax(-1))
+            ids = torch.cat([ids, found[-1][:, None]], 1)
+    return found
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_a_model_with_its_cache_in_buffers_against_its_own_uncached_forward(dtype):
+    clean = run("samples/cached_lm.py:port", None, IDS, options=Options(decode=64, dtypes=(dtype, None)))
+    assert blamed(clean) is None and len(clean.steps) == 65
+    bug = run("samples/cached_lm.py:write_one_slot_early", None, IDS, options=Options(decode=STEPS, dtypes=(dtype, None)))
+    assert blamed(bug) == (1, 1, "attention", "output")
+
+
+@pytest.fixture(scope="module")
+def decode_dump(tmp_path_factory):
+    """A Hugging Face Llama's decode of 4 steps, captured."""
+    from blockdiff.engine import capture
+
+    path = tmp_path_factory.mktemp("decode") / "reference.h5"
+    capture(LLAMA, IDS, path, decode=4)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_candidate_decode_is_replayed_against_a_stored_reference_decode(decode_dump, dtype, tmp_path, capsys):
+    code, out, err = run_cli(
+        ["diff", str(decode_dump), "samples/decode_bugs.py:cache_one_slot_early", "--cand-dtype", dtype,
+         "--json", str(tmp_path / "r.json")], capsys,
+    )
+    assert code == 1, err
+    report = Report.from_dict(json.loads((tmp_path / "r.json").read_text()))
+    assert blamed(report) == (1, 1, "attention", "kv cache: keys")
+    assert report.decode["steps"] == 4 and len(report.steps) == 5
+    assert any(n.startswith(f"replay: the reference is the decode dump {decode_dump} (4 steps") for n in report.notes)
+    code, out, err = run_cli(["diff", str(decode_dump), LLAMA, "--cand-dtype", dtype, "--decode", "2"], capsys)
+    assert code == 0, out + err
+    assert "no step diverges" in " ".join(out.split())
+    if dtype == "bfloat16":  # no floors for decode steps: fixed thresholds, and said why
+        assert "floors are not stored for decode steps" in " ".join(out.split())
+
+
+def test_a_decode_dump_holds_every_step_as_schema_5_and_a_forward_dump_stays_schema_4(decode_dump, tmp_path, capsys):
+    import h5py
+
+    from blockdiff.engine import capture
+    from blockdiff.dump import DumpReader
+
+    with h5py.File(decode_dump) as f:
+        assert f.attrs["schema_version"] == 5
+    with DumpReader(decode_dump) as dump:
+        assert dump.steps() == 4 and dump.meta["decode"] == {"steps": 4, "prompt_length": 8, "cache": "dynamic"}
+        assert [len(dump.at_step(t).block_indices()) for t in range(5)] == [4] * 5
+        step1 = dump.at_step(1).block_sites(0)
+        assert step1[0].hidden_input().shape[1] == 1  # one token
+        held = dump.decode()
+        assert len(held["greedy"]) == 5 and held["cache"][4][0]["held"] == 12
+    forward = tmp_path / "forward.h5"
+    capture(LLAMA, IDS, forward)
+    with h5py.File(forward) as f:
+        assert f.attrs["schema_version"] == 4
+    # Through the CLI, and shown by `inspect` step by step.
+    code, out, err = run_cli(["capture", LLAMA, "--out", str(tmp_path / "d.h5"), "--decode", "2", "--seq", "8"], capsys)
+    assert code == 0 and f"wrote {tmp_path / 'd.h5'}" in out, err
+    code, out, err = run_cli(["inspect", str(tmp_path / "d.h5")], capsys)
+    assert code == 0 and "decode: the prompt (8 tokens), then 2 steps" in out, err
+    from blockdiff.export import export_safetensors
+
+    names = export_safetensors(tmp_path / "d.h5", tmp_path / "d.safetensors")["tensors"]
+    assert {name.split("/")[0] for name in names} == {"step0", "step1", "step2", "inputs"}
+    assert "step2/model.layers.0.self_attn#0/output/0" in names
+
+
+def test_decode_dumps_refuse_what_they_cannot_do(decode_dump, tmp_path):
+    from blockdiff.engine import capture
+
+    with pytest.raises(InputError, match="holds 4 decode steps; --decode 9 asks for more"):
+        run(str(decode_dump), hf_llama.build(), options=Options(decode=9))
+    with pytest.raises(InputError, match="two dumps of decodes are not compared"):
+        run(str(decode_dump), str(decode_dump))
+    forward = tmp_path / "forward.h5"
+    capture(LLAMA, IDS, forward)
+    with pytest.raises(InputError, match="holds one forward pass, not decode steps"):
+        run(str(forward), hf_llama.build(), options=Options(decode=2))
+    with pytest.raises(InputError, match="floors are not stored for decode steps"):
+        capture(LLAMA, IDS, tmp_path / "x.h5", decode=2, floors=[(torch.bfloat16, "cpu")])

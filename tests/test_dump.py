@@ -445,8 +445,8 @@ def test_foreign_hdf5(tmp_path):
 
 def test_newer_schema_version(dump_path):
     with h5py.File(dump_path, "r+") as f:
-        f.attrs["schema_version"] = 5
-    with pytest.raises(DumpError, match="has schema version 5; this blockdiff reads up to 4: upgrade blockdiff"):
+        f.attrs["schema_version"] = 6
+    with pytest.raises(DumpError, match="has schema version 6; this blockdiff reads up to 5: upgrade blockdiff"):
         DumpReader(dump_path)
 
 

@@ -162,7 +162,7 @@ def test_bad_dumps_are_one_line_errors(make, message, tmp_path, capsys, ids):
 def test_incomplete_and_newer_dumps_are_refused(tmp_path, capsys, ids):
     import h5py
 
-    for attr, value, message in [("complete", False, "is incomplete"), ("schema_version", 5, "has schema version 5")]:
+    for attr, value, message in [("complete", False, "is incomplete"), ("schema_version", 6, "has schema version 6")]:
         path = tmp_path / f"{attr}.h5"
         capture(tinylm.build(), ids, path)
         with h5py.File(path, "r+") as f:

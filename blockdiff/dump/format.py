@@ -32,7 +32,11 @@ FORMAT = "blockdiff.dump"
 # 4: tensors packed into 1-D datasets per stored dtype, one JSON index (blockdiff 0.4);
 # 3: a group per site, a dataset per tensor, optional /floors; 2: CRC-32C checksums
 # (``crc32c``); 1 (blockdiff 0.1): zlib CRC-32 (``crc32``). Every one is still read.
-SCHEMA_VERSION = 4
+# 5: schema 4 with decode steps (each site's ``step``, the index's ``decode``), written only
+# for a decode run (blockdiff 0.6): a dump of one forward is still written as 4.
+SCHEMA_VERSION = 5  # the newest this blockdiff reads
+FORWARD_SCHEMA = 4  # what a dump of one forward pass is written as
+DECODE_SCHEMA = 5
 # The first schema with the packed layout; older dumps have a group per site.
 PACKED_SCHEMA = 4
 

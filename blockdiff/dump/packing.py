@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 
 from ..errors import DumpError
-from .format import FORMAT, LIBVER, SCHEMA_VERSION, Link, crc32c, digest, set_attr, stored_name, tensor_crc32c
+from .format import FORMAT, FORWARD_SCHEMA, LIBVER, Link, crc32c, digest, set_attr, stored_name, tensor_crc32c
 
 # How each ``compress`` option is stored: the filters of every chunk.
 COMPRESSIONS: dict[str | None, dict[str, Any]] = {
@@ -64,13 +64,13 @@ def site_record(site: Any) -> dict[str, Any]:
     }
 
 
-def file_attributes(torch_version: str) -> dict[str, Any]:
+def file_attributes(torch_version: str, schema: int = FORWARD_SCHEMA) -> dict[str, Any]:
     """The file attributes a writer owns, but the meta digest and ``complete``."""
     from .._version import __version__
 
     return {
         "format": FORMAT,
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": schema,
         "blockdiff_version": str(__version__),
         "torch_version": torch_version,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -132,6 +132,7 @@ class PackedFile:
         compress: a key of :data:`COMPRESSIONS`.
         checksums: ``False``: no fletcher32 filter (compressed) nor index CRC-32C.
         durable: flushed to disk before the rename, and the folder after it.
+        schema: the ``schema_version`` written (:data:`~.format.DECODE_SCHEMA` for decode steps).
 
     Raises:
         DumpError: the file cannot be created (saying why in the user's words).
@@ -146,6 +147,7 @@ class PackedFile:
         compress: str | None = None,
         checksums: bool = True,
         durable: bool = False,
+        schema: int = FORWARD_SCHEMA,
     ) -> None:
         self.path = Path(path)
         self.tmp_path = temporary_path(self.path)
@@ -173,7 +175,7 @@ class PackedFile:
             raise DumpError(f"{self.path}: cannot create the dump: {problem}", path=str(self.path)) from exc
         try:
             f = self._file
-            for key, value in file_attributes(torch_version).items():
+            for key, value in file_attributes(torch_version, schema).items():
                 self._root[key] = set_attr(f, key, value)
             self.write_meta(meta)
             self._group = f.create_group("tensors")

@@ -8,6 +8,7 @@ the site groups' attributes of an older one; a site's tensors are decoded
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -30,6 +31,7 @@ from .format import (
     NUMPY_NATIVE,
     PACKED_SCHEMA,
     RAW_BITS,
+    DECODE_SCHEMA,
     SCHEMA_VERSION,
     Link,
     attr,
@@ -205,6 +207,7 @@ class _Entry:
     site: Site
     structure: Any = None
     packed: bool = False
+    step: int | None = None  # the decode step it ran at (schema 5)
 
     @property
     def block(self) -> int | None:
@@ -317,6 +320,8 @@ class DumpReader:
             meta[key] = json.loads(meta[key])
         self.meta = meta
         self._packed = version >= PACKED_SCHEMA
+        self._decoded = version >= DECODE_SCHEMA  # a decode run: sites by step (see steps())
+        self._step: int | None = None  # a view of one step (at_step) reads only its sites
         if self._packed:
             entries = self._index_entries()
         else:
@@ -345,7 +350,10 @@ class DumpReader:
         for i, record in enumerate(self._index["sites"]):
             if not isinstance(record, dict):
                 raise ValueError(f"sites[{i}] is not an object")
-            entries.append(_Entry(str(i), _site_of(record), record.get("structure"), packed=True))
+            step = record.get("step")
+            if (step is None) == self._decoded or step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+                raise ValueError(f"sites[{i}]: step {step!r} in a dump of schema {self.meta['schema_version']}")
+            entries.append(_Entry(str(i), _site_of(record), record.get("structure"), packed=True, step=step))
         return entries
 
     def _group_entries(self) -> list[_Entry]:
@@ -364,17 +372,43 @@ class DumpReader:
 
     # -- SiteStore (read side)
 
+    @property
+    def _here(self) -> list[_Entry]:
+        """The entries this reader reads: every one, or a step view's (:meth:`at_step`)."""
+        if self._step is None:
+            return self._entries
+        return [e for e in self._entries if e.step == self._step]
+
     def block_indices(self) -> list[int]:
         """Indices of the blocks that have sites, ascending."""
-        return sorted({e.block for e in self._entries if e.block is not None})
+        return sorted({e.block for e in self._here if e.block is not None})
 
     def block_sites(self, block: int) -> list[Site]:
         """The sites of one block in execution order; reads only that block's groups."""
-        return [self._read(e) for e in self._entries if e.block == block]
+        return [self._read(e) for e in self._here if e.block == block]
 
     def outside_sites(self) -> list[Site]:
         """Sites outside the blocks (embed, context, final_norm, head) in execution order."""
-        return [self._read(e) for e in self._entries if e.block is None]
+        return [self._read(e) for e in self._here if e.block is None]
+
+    def steps(self) -> int | None:
+        """How many decode steps the run had after its prompt (its sites are steps 0 …
+        that number; schema 5), ``None`` for a dump of one forward pass."""
+        return max((e.step for e in self._entries if e.step is not None), default=0) if self._decoded else None
+
+    def at_step(self, step: int) -> "DumpReader":
+        """A reader of decode step ``step``'s sites only (the same open file: closing the
+        dump closes it too)."""
+        if not self._decoded:
+            raise DumpError(f"{self.path}: the dump holds one forward pass, not decode steps", path=str(self.path))
+        view = copy.copy(self)
+        view._step = step
+        return view
+
+    def decode(self) -> dict[str, Any] | None:
+        """What the decode run was beyond its sites (``greedy``, ``cache``: see
+        :meth:`~blockdiff.dump.DumpWriter.add_decode`), ``None`` for one forward pass."""
+        return self._whole("decode", None)[0] if self._decoded else None
 
     def sites(self) -> list[Site]:
         """Every site in execution order (all tensors in memory: prefer :meth:`iter_sites`)."""
@@ -382,7 +416,7 @@ class DumpReader:
 
     def iter_sites(self) -> Iterator[Site]:
         """Every site in execution order, read one at a time."""
-        for e in self._entries:
+        for e in self._here:
             yield self._read(e)
 
     def inputs(self) -> Any:
@@ -448,7 +482,7 @@ class DumpReader:
 
     def __len__(self) -> int:
         """Number of sites."""
-        return len(self._entries)
+        return len(self._here)
 
     def __repr__(self) -> str:
         return f"DumpReader({str(self.path)!r}, sites={len(self._entries)})"

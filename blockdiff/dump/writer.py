@@ -27,7 +27,7 @@ import torch
 from ..dtypes import dtype_name
 from ..errors import DumpError, TensorChanged
 from ..site import Opaque, Site
-from .format import NUMPY_NATIVE, RAW_BITS, STANDARD_ATTRIBUTES, encode_meta
+from .format import DECODE_SCHEMA, FORWARD_SCHEMA, NUMPY_NATIVE, RAW_BITS, STANDARD_ATTRIBUTES, encode_meta
 from .packing import (
     COMPRESSIONS,
     PackedFile,
@@ -202,6 +202,9 @@ class DumpWriter:
         checksums: ``False`` writes neither the fletcher32 filter (compressed dumps) nor the
             CRC-32C of each tensor, to measure what they cost (``benchmarks/overhead.py``);
             such a dump reads only with ``verify=False``.
+        decode: the dump holds a decode run (schema 5): every site is added with its step
+            (``add(site, step=t)``), and :meth:`add_decode` records the steps' tokens and
+            caches.
         durable: flush the file to disk (fsync) before the rename and the folder after, so
             that the dump survives a power loss too. Without it (the default, as for
             ``torch.save`` or h5py) the dump is still atomic for every process (the rename),
@@ -221,9 +224,11 @@ class DumpWriter:
         compress: str | None = None,
         checksums: bool = True,
         durable: bool = False,
+        decode: bool = False,
     ) -> None:
         self.path = Path(path)
         self.durable = durable
+        self.decode = decode
         if compress not in COMPRESSIONS:
             raise DumpError(
                 f"{self.path}: compress must be None, 'lzf' or 'gzip', got {compress!r}", path=str(self.path)
@@ -284,16 +289,23 @@ class DumpWriter:
             self._file = PackedFile(
                 self.path, torch_version=str(torch.__version__), meta=encoded_meta,
                 compress=self.compress, checksums=self.checksums, durable=self.durable,
+                schema=DECODE_SCHEMA if self.decode else FORWARD_SCHEMA,
             )
         except BaseException as exc:  # the file is removed, if it was made
             self._failed = exc
 
     # -- SiteStore (write side)
 
-    def add(self, site: Site) -> None:
+    def add(self, site: Site, *, step: int | None = None) -> None:
         """Record one site (the index's ``sites[N]``, N: how many were added before); its
-        tensors are written by the writer's thread."""
+        tensors are written by the writer's thread. ``step``: the decode step it ran at (a
+        ``decode`` writer only, where every site has one)."""
         self._check_open()
+        if (step is None) == self.decode:
+            raise DumpError(
+                f"{self.path}: a site {'without' if step is None else 'with'} a decode step, in a dump "
+                f"{'of decode steps' if self.decode else 'of one forward pass'}", path=str(self.path)
+            )
         label = f"sites[{len(self._sites)}] ({site.label})"
         enc = _Encoder(self, label)
         try:
@@ -312,7 +324,7 @@ class DumpWriter:
                 site=site.label,
             ) from exc
         # The index lists sites in the order they were added (calls finishing, when streamed).
-        self._sites.append({**site_record(site), "structure": structure})
+        self._sites.append({**site_record(site), **({} if step is None else {"step": int(step)}), "structure": structure})
         self._commit(enc)
 
     def add_inputs(self, obj: Any) -> None:
@@ -324,6 +336,15 @@ class DumpWriter:
         label (``bfloat16@cpu``) a dict with ``dtype``, ``device`` and ``values`` (check key
         → a number, a list of numbers, or a router's output). Schema 3 and later."""
         self._add_structure("floors", floors)
+
+    def add_decode(self, decode: dict[str, Any]) -> None:
+        """Record what a decode run is beyond its sites (the index's ``decode``, schema 5):
+        ``greedy`` (per step, the token chosen after it, ``[batch]``) and ``cache`` (per
+        step, per cache layer, the keys and values it wrote and how many positions the
+        layer held, or ``None``), as :class:`~blockdiff.decoding.CacheLog` keeps them."""
+        if not self.decode:
+            raise DumpError(f"{self.path}: decode steps in a dump of one forward pass (DumpWriter(decode=True))", path=str(self.path))
+        self._add_structure("decode", decode)
 
     def _add_structure(self, name: str, obj: Any) -> None:
         self._check_open()

@@ -23,7 +23,7 @@ from torch import nn
 from .. import distributed
 from ..capture import Recording, record_once
 from ..errors import PairingError
-from ..hooking import Hooks
+from ..hooking import BufferCache, Hooks
 from ..hookmap import Layout
 from ..autodetect import configured_vocab_size
 from ..errors import InputError
@@ -197,8 +197,25 @@ class LiveSide(SideDefaults):
         if self.stepper is None:
             return None
         if key not in self._streams:
-            self._streams[key] = self.stepper.new_cache(self.module(""))
+            self._streams[key] = self._new_cache(key[1])
         return self._streams[key]
+
+    def _new_cache(self, path: str) -> Any:
+        """An empty cache for an experiment on module ``path``: the stepper's own kind, or —
+        a model that keeps its cache in buffers — buffers of that module's own
+        (:class:`~blockdiff.hooking.BufferCache`)."""
+        names = cache_buffers(self.stepper)
+        if names:
+            return BufferCache(self.module(path), names)
+        return self.stepper.new_cache(self.module(""))
+
+    def keeps_cache(self, path: str, call: Site) -> bool:
+        """Whether module ``path``'s ``call`` at a decode step reads and writes a cache: it
+        was handed one, or the module holds the stepper's ``cache_buffers``."""
+        if self.stepper is None:
+            return False
+        names = cache_buffers(self.stepper)
+        return holds_cache(call) or bool(names) and BufferCache.held_by(self.module(path), names)
 
     def start_decode(self, stepper: Any) -> None:
         """Decode steps start with ``stepper`` (``None``: none do): every experiment cache
@@ -225,7 +242,7 @@ class LiveSide(SideDefaults):
     def _written_stream(self, key: tuple, call: Site, hidden: Hidden | None = None) -> Any:
         """The stream ``key`` for a call that writes into it (``None`` for a call handed no
         cache); a module's call is remembered for drill-downs."""
-        if self.stepper is None or not holds_cache(call):
+        if not self.keeps_cache(key[1], call):
             return None
         if key[0] == "module":
             self.remember(key[1], call, hidden)
@@ -236,21 +253,23 @@ class LiveSide(SideDefaults):
         replayed from its remembered calls: a drill-down at a decode step must not write the
         step into the stream the module check carries on, and a copy of it per step would
         cost every clean step; this costs only the steps that drill down."""
-        if self.stepper is None or not holds_cache(call):
+        if not self.keeps_cache(path, call):
             return None
-        cache = self.stepper.new_cache(self.module(""))
+        cache = self._new_cache(path)
         module = self.runnable(path)
         for step, earlier, hidden in self._history.get(path, []):
             if step < self._step:
                 args, kwargs = self._replay(earlier, hidden, cache)
-                module(*args, **kwargs)
+                with _on(cache, self.module(path)):
+                    module(*args, **kwargs)
         return cache
 
     def _replay(self, call: Site, hidden: Hidden | None, cache: Any = None) -> tuple[tuple, dict]:
         """``call``'s arguments on this side's device (floating ones cast to :attr:`cast`),
         its activations replaced by ``hidden`` in the call's own dtypes, a recorded cache
-        by ``cache``."""
+        by ``cache`` (a cache in buffers is swapped in around the run instead: :func:`_on`)."""
         device = self.device
+        cache = None if isinstance(cache, BufferCache) else cache
         args, kwargs, fresh = call.args, call.kwargs, set()
         if hidden:
             own = call.hidden_inputs()
@@ -267,8 +286,10 @@ class LiveSide(SideDefaults):
         )
 
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
-        args, kwargs = self._replay(call, hidden, self._written_stream(("module", path), call, hidden))
-        return self.runnable(path)(*args, **kwargs)
+        stream = self._written_stream(("module", path), call, hidden)
+        args, kwargs = self._replay(call, hidden, stream)
+        with _on(stream, self.module(path)):
+            return self.runnable(path)(*args, **kwargs)
 
     def child_calls(self, path: str, call: Site, hidden: Hidden | None = None, *, depth: int = 2) -> list[Site]:
         """Module ``path`` run on ``call`` (its activations replaced by ``hidden``), with
@@ -301,8 +322,9 @@ class LiveSide(SideDefaults):
 
         # A decode step's drill-down runs on a cache rebuilt from the steps before (rebuilt
         # before the hooks are on: only this call's children are recorded).
-        args, kwargs = self._replay(call, hidden, self._rebuilt(path, call))
-        with Hooks() as hooks:
+        cache = self._rebuilt(path, call)
+        args, kwargs = self._replay(call, hidden, cache)
+        with Hooks() as hooks, _on(cache, module):
             for rel, child in leaves.items():
                 hooks.before(child, pre(rel))
                 hooks.after(child, post(rel))
@@ -376,8 +398,10 @@ class LiveSide(SideDefaults):
                 hooks.before(named[rel], pre(rel, subpath))
                 if frozen:
                     hooks.replace_forward(named[rel], lambda original, rel=rel: frozen_forward(rel, original))
-            args, kwargs = self._replay(call, hidden, self._written_stream(("block", path, frozenset(frozen or ())), call))
-            out = primary_tensor(self.runnable(path, block)(*args, **kwargs))
+            stream = self._written_stream(("block", path, frozenset(frozen or ())), call)
+            args, kwargs = self._replay(call, hidden, stream)
+            with _on(stream, block):
+                out = primary_tensor(self.runnable(path, block)(*args, **kwargs))
         if out is None:
             raise PairingError(f"{call.label}: the block returned no tensor")
         return out, reached
@@ -448,6 +472,18 @@ class PrecisionSide(LiveSide):
         )
 
 
+def cache_buffers(stepper: Any) -> tuple[str, ...]:
+    """The buffers a step adapter says hold its model's cache (``cache_buffers``, keys
+    first), ``()`` for a cache handed to the modules as an argument."""
+    return tuple(getattr(stepper, "cache_buffers", None) or ())
+
+
+def _on(cache: Any, module: nn.Module) -> contextlib.AbstractContextManager:
+    """The run of ``module`` on ``cache``: a cache in buffers swapped in for it, or nothing
+    to do (a cache handed as an argument is in the call's arguments already)."""
+    return cache.into(module) if isinstance(cache, BufferCache) else contextlib.nullcontext()
+
+
 def _replace_all(output: Any, recorded: Any, device: torch.device) -> Any:
     """``recorded`` in place of ``output``, each floating tensor cast to the dtype of the
     tensor it replaces (a router's whole decision: logits, weights, indices)."""
@@ -461,4 +497,4 @@ def _replace_all(output: Any, recorded: Any, device: torch.device) -> Any:
     return for_replay(map_structure(recorded, cast), device=device)
 
 
-__all__ = ["LiveSide", "PrecisionSide", "eval_mode"]
+__all__ = ["LiveSide", "PrecisionSide", "cache_buffers", "eval_mode"]
