@@ -141,25 +141,33 @@ class CacheLog:
     """What a side's cache held after each step, kept as what each step wrote: per step and
     cache layer, the keys and values of the positions it fed and how many positions the
     layer held (a sliding window holds its last ones), so the memory is linear in the steps
-    (a copy of the whole cache per step would be quadratic). Exact for a cache that writes
-    each new position after the ones before and leaves those as they were."""
+    (a copy of the whole cache per step would be quadratic). A step whose cache is not the
+    one before with its new positions appended (a cache that writes to the wrong slot) is
+    kept whole, so what is read back is always what the cache held."""
 
-    def __init__(self, pieces: list[list[tuple[torch.Tensor, torch.Tensor, int] | None] | None] | None = None) -> None:
+    def __init__(self, pieces: list[list[tuple[torch.Tensor, torch.Tensor, int, bool] | None] | None] | None = None) -> None:
         self.pieces = list(pieces or [])
+        self._last: list[Layer | None] = []  # each layer after the step before, to check appending
 
     def add(self, contents: list[Layer | None] | None, length: int, fed: int) -> None:
         """The cache after a step that fed ``fed`` tokens, ``length`` in all so far."""
         if contents is None:
             self.pieces.append(None)
             return
-        step = []
-        for layer in contents:
+        step: list[tuple[torch.Tensor, torch.Tensor, int, bool] | None] = []
+        self._last += [None] * (len(contents) - len(self._last))
+        for index, layer in enumerate(contents):
             if layer is None:
                 step.append(None)
                 continue
-            keys, values = filled(layer[0], length), filled(layer[1], length)
-            n = min(fed, keys.shape[2])
-            step.append((keys[:, :, keys.shape[2] - n:].to("cpu", copy=True), values[:, :, values.shape[2] - n:].to("cpu", copy=True), int(keys.shape[2])))
+            keys, values = (filled(t, length).detach().to("cpu", copy=True) for t in layer)
+            held, n = int(keys.shape[2]), min(fed, int(keys.shape[2]))
+            before = self._last[index]
+            appended = n == held if before is None else all(
+                torch.equal(torch.cat([b, t[:, :, held - n:]], dim=2)[:, :, -held:], t) for b, t in zip(before, (keys, values))
+            )
+            step.append((keys[:, :, held - n:], values[:, :, held - n:], held, False) if appended else (keys, values, held, True))
+            self._last[index] = (keys, values)
         self.pieces.append(step)
 
     def at(self, step: int) -> list[Layer | None] | None:
@@ -172,8 +180,15 @@ class CacheLog:
             if last is None:
                 found.append(None)
                 continue
+            written = []
+            for earlier in reversed(self.pieces[: step + 1]):
+                piece = None if earlier is None or layer >= len(earlier) else earlier[layer]
+                if piece is None:
+                    continue
+                written.insert(0, piece)
+                if piece[3]:  # kept whole: nothing before it counts
+                    break
             held = last[2]
-            written = [p[layer] for p in self.pieces[: step + 1] if p is not None and layer < len(p) and p[layer] is not None]
             keys = torch.cat([w[0] for w in written], dim=2)[:, :, -held:]
             values = torch.cat([w[1] for w in written], dim=2)[:, :, -held:]
             found.append((keys, values))
@@ -181,14 +196,23 @@ class CacheLog:
 
     def to_structure(self) -> list:
         """As a dump stores it (:meth:`~blockdiff.dump.DumpWriter.add_decode`)."""
-        return [None if step is None else [None if l is None else {"keys": l[0], "values": l[1], "held": l[2]} for l in step]
-                for step in self.pieces]
+        return [
+            None if step is None else [
+                None if piece is None else {"keys": piece[0], "values": piece[1], "held": piece[2], "whole": piece[3]}
+                for piece in step
+            ]
+            for step in self.pieces
+        ]
 
     @classmethod
     def from_structure(cls, stored: Any) -> "CacheLog":
         """What :meth:`to_structure` gave, read back from a dump."""
-        return cls([None if step is None else [None if l is None else (l["keys"], l["values"], int(l["held"])) for l in step]
-                    for step in stored or []])
+        return cls([
+            None if step is None else [
+                None if p is None else (p["keys"], p["values"], int(p["held"]), bool(p.get("whole", False))) for p in step
+            ]
+            for step in stored or []
+        ])
 
 
 @dataclass
@@ -344,21 +368,26 @@ def filled(t: torch.Tensor, length: int) -> torch.Tensor:
     return t[:, :, :length] if t.shape[2] >= length else t
 
 
-def kv_checks(experiments: Any, ref: Side, cand: Side, pair_blocks: list[Any], reference: list, length: int, step: int) -> dict[int, list[Check]]:
+def kv_checks(
+    experiments: Any, ref: Side, cand: Side, pair_blocks: list[Any], reference: list, length: int, step: int,
+    own: tuple[list | None, list | None] = (None, None),
+) -> dict[int, list[Check]]:
     """The cache as a site: per block whose attention keeps a cache layer, what the
     candidate's attention experiment holds after this step (its module on the reference's
     inputs at every step so far) against the reference's own cache, keys and values apart,
     judged as the attention's output is (its floor: the reference's own code at the
-    candidate's precision, run the same way)."""
+    candidate's precision, run the same way). An experiment whose cache has shadowed its
+    side's own run (never made: :meth:`~blockdiff.sides.live.LiveSide.shadow`) holds what
+    that side's own cache held after this step: ``own`` (the candidate's, the floor run's)."""
     found: dict[int, list[Check]] = {}
+    floors = experiments.floor_side
     for index, ref_path, cand_path, layer in pair_blocks:
         if layer >= len(reference) or reference[layer] is None:
             continue
-        mine = layer_of(cand.stream(("module", cand_path)), layer)  # type: ignore[attr-defined]
+        mine = _held(cand, ("module", cand_path), layer, own[0])
         if mine is None:
             continue
-        floors = experiments.floor_side
-        floor_layer = None if floors is None else layer_of(floors.stream(("module", ref_path)), layer)
+        floor_layer = None if floors is None else _held(floors, ("module", ref_path), layer, own[1])
         checks = []
         for what, which in ((KV_KEYS, 0), (KV_VALUES, 1)):
             expected = filled(reference[layer][which], length)
@@ -376,6 +405,15 @@ def kv_checks(experiments: Any, ref: Side, cand: Side, pair_blocks: list[Any], r
             checks.append(check)
         found[index] = checks
     return found
+
+
+def _held(side: Side, key: tuple, layer: int, own: list | None) -> Layer | None:
+    """What experiment ``key``'s cache holds for ``layer``: its stream's, or — a stream
+    still shadowing the side's own run — the side's own cache's (``own``, per layer)."""
+    made = side.made_stream(key)  # type: ignore[attr-defined]
+    if made is not None:
+        return layer_of(made, layer)
+    return own[layer] if own is not None and layer < len(own) else None
 
 
 def add_kv_checks(blocks: list[Any], checks: dict[int, list[Check]]) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from . import backward, decoding, distributed
+from . import decoding, distributed
 from ._version import __version__
 from .capture import TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
@@ -85,12 +85,6 @@ class Options:
         uncached_reference: with ``decode``, the reference runs without a cache (its whole
             sequence at once, paired position by position with the candidate's steps): a
             model against its own cache. :func:`run` sets it when no candidate is given.
-        backward: after the forward diff, both sides run forward and backward on the same
-            inputs and loss, and the gradients are localized from the head to the
-            embedding: ``report.backward`` (:mod:`blockdiff.backward`, docs/backward.md).
-        loss: the loss of ``backward``: ``"module:function"`` or ``"path/file.py:function"``
-            or a callable ``loss(output, inputs)``; ``None``: next-token cross-entropy on
-            the input ids.
     """
 
     tolerance: Tolerance | None = None
@@ -108,8 +102,6 @@ class Options:
     decode: int = 0
     caches: tuple[str, str] = ("dynamic", "dynamic")
     uncached_reference: bool = False
-    backward: bool = False
-    loss: str | Callable[[Any, Any], Any] | None = None
 
     @classmethod
     def of(cls, options: "Options | None" = None, **fields_: Any) -> "Options":
@@ -281,15 +273,6 @@ def _live(ref: Side, cand: Side, inputs: Inputs, options: Options) -> Report:
         return _decoded(ref, cand, inputs, options)
     lockstep = ref.lockstep or cand.lockstep
     localize = lambda free_run: _localize(ref, cand, inputs, options, free_run=free_run)  # noqa: E731
-    # -- --backward: the gradients localized after the forward (blockdiff.backward) --
-    if options.backward:
-        if options.save_dumps is not None or options.stream or options.rank or lockstep:
-            raise InputError("--backward runs in memory, on one process: not with --stream, --save-dumps, --rank or torchrun")
-        forward = localize
-        localize = lambda free_run: backward.judge(  # noqa: E731
-            ref, cand, inputs, forward(free_run), tolerance=options.tolerance, loss=options.loss
-        )
-    # -- end of --backward --
     with ExitStack() as stack:
         stack.enter_context(ref.running())
         stack.enter_context(cand.running())
@@ -390,12 +373,16 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
             ref_run = run_model_code("reference", decoding.uncached, ref, prompt, steps)
         else:
             ref_run = run_model_code("reference", decoding.decode, ref, prompt, steps, steppers[0], hold=hold, contents=True)
-        cand_run = run_model_code("candidate", decoding.decode, cand, prompt, steps, steppers[1], ref_run.greedy, hold=hold)
+        # Each side's own cache contents too: an experiment cache that shadows its side's own
+        # run holds those (decoding.kv_checks).
+        cand_run = run_model_code("candidate", decoding.decode, cand, prompt, steps, steppers[1], ref_run.greedy, hold=hold, contents=True)
         live_floors = tolerance.calibrated and ref.live
         floor = ref.in_precision(working_dtype(ref.dtype, cand.dtype), cand.device) if live_floors else None
         floor_run = None
         if floor is not None and not floor.runs_as(cand):
-            floor_run = run_model_code("reference", decoding.decode, floor, prompt, steps, steppers[0], ref_run.greedy, hold=hold)
+            floor_run = run_model_code(
+                "reference", decoding.decode, floor, prompt, steps, steppers[0], ref_run.greedy, hold=hold, contents=True
+            )
         layers = decoding.attention_layers(ref, cand)
         reports = []
         for step in range(steps + 1):
@@ -407,7 +394,8 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
             length = prompt.shape[1] + step
 
             def complete(localizer: Localizer, blocks: list, step: int = step, length: int = length) -> None:
-                found = decoding.kv_checks(localizer.experiments, ref, cand, layers, ref_run.caches.at(step) or [], length, step)
+                own = cand_run.caches.at(step), (floor_run or cand_run).caches.at(step)
+                found = decoding.kv_checks(localizer.experiments, ref, cand, layers, ref_run.caches.at(step) or [], length, step, own)
                 decoding.add_kv_checks(blocks, found)
 
             reports.append(

@@ -74,8 +74,8 @@ class Experiments:
         # Every floor measured, by key, when a capture stores them (see record_floors()).
         self.measured: dict[str, Any] | None = None
         # Modules carry state from call to call (decode steps: each experiment's own KV
-        # cache): every experiment runs its module, none is answered by a recorded call,
-        # so that each experiment's state sees every step.
+        # cache): an experiment is answered by a recorded call only while its cache has
+        # shadowed the side's own at every step (_answered), so that its state sees every step.
         self.stateful = False
 
     @property
@@ -175,6 +175,13 @@ class Experiments:
 
     # -- one module --------------------------------------------------------------------
 
+    def _answered(self, side: Side, key: tuple, call: Site, hidden: dict[str, torch.Tensor] | None) -> bool:
+        """Whether an experiment whose inputs are bit for bit those ``side``'s own ``call``
+        received is answered by the call's recorded output: always, but at decode steps
+        only while the experiment's cache has shadowed the side's own
+        (:meth:`~blockdiff.sides.live.LiveSide.shadow`)."""
+        return not self.stateful or side.shadow(key, call, hidden)  # type: ignore[attr-defined]
+
     def module_output(self, side: Side, path: str, call: Site, hidden: dict[str, torch.Tensor] | None) -> torch.Tensor:
         out = primary_tensor(side.call_module(path, call, hidden))
         if out is None:
@@ -189,7 +196,7 @@ class Experiments:
         this floor already."""
         own = self._free_run_site(call)
         out = None if own is None else own.primary_output()
-        if out is not None and not self.stateful and same_call(call, own, side.dtype):
+        if out is not None and same_call(call, own, side.dtype) and self._answered(side, ("module", call.module), call, None):
             return out
         return self.module_output(side, call.module, call, None)
 
@@ -201,7 +208,8 @@ class Experiments:
         hidden = r.hidden_inputs()
         out = c.primary_output()
         own = c.hidden_inputs()
-        if self.stateful or not everywhere(out is not None and same_bits(as_received(hidden, own), own)):
+        same = everywhere(out is not None and same_bits(as_received(hidden, own), own))
+        if not same or not self._answered(self.cand, ("module", c.module), c, hidden):
             out = self.module_output(self.cand, c.module, c, hidden)
         expected, out = self.comparable(r, c, ref_out, out)
         key = f"module:{describe_key(r.key)}"
@@ -253,9 +261,9 @@ class Experiments:
         if frozen:
             frozen_c.update({(s.subpath, s.ordinal): (s, pair.cand[key]) for key, s in pair.ref.items()})
         own_in = c_block.hidden_inputs()
-        if not self.stateful and everywhere(
+        if everywhere(
             not frozen_c and c_block.primary_output() is not None and same_bits(as_received(ref_in, own_in), own_in)
-        ):
+        ) and self._answered(self.cand, ("block", c_block.module, frozenset()), c_block, ref_in):
             out, reached = c_block.primary_output(), {}  # the candidate's own call was this call
         else:
             out, reached = self.cand.run_block(c_block.module, c_block, ref_in, relative(pair.cand_layout), frozen_c)

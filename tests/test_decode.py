@@ -306,3 +306,25 @@ def test_decode_dumps_refuse_what_they_cannot_do(decode_dump, tmp_path):
         run(str(forward), hf_llama.build(), options=Options(decode=2))
     with pytest.raises(InputError, match="floors are not stored for decode steps"):
         capture(LLAMA, IDS, tmp_path / "x.h5", decode=2, floors=[(torch.bfloat16, "cpu")])
+
+
+def test_a_cache_log_keeps_what_each_step_wrote_and_a_step_that_did_not_append_whole():
+    from blockdiff.decoding import CacheLog
+
+    torch.manual_seed(0)
+    cache = torch.randn(1, 2, 4, 3)  # a prompt of 4 positions
+    log = CacheLog()
+    log.add([(cache, cache + 1)], length=4, fed=4)
+    appended = torch.cat([cache, torch.randn(1, 2, 1, 3)], dim=2)
+    log.add([(appended, appended + 1)], length=5, fed=1)
+    overwritten = appended.clone()
+    overwritten[:, :, 3] = torch.randn(1, 2, 3)  # written one slot early: not appended
+    overwritten = overwritten[:, :, :5]
+    log.add([(overwritten, overwritten + 1)], length=6, fed=1)
+    assert [p[0][3] for p in log.pieces] == [False, False, True]  # kept whole where it did not append
+    assert log.pieces[1][0][0].shape[2] == 1  # one new position, not the whole cache
+    for step, expected in enumerate([cache, appended, overwritten]):
+        keys, values = log.at(step)[0]
+        assert torch.equal(keys, expected) and torch.equal(values, expected + 1)
+    back = CacheLog.from_structure(log.to_structure())
+    assert all(torch.equal(back.at(2)[0][i], log.at(2)[0][i]) for i in (0, 1))

@@ -197,8 +197,33 @@ class LiveSide(SideDefaults):
         if self.stepper is None:
             return None
         if key not in self._streams:
-            self._streams[key] = self._new_cache(key[1])
+            cache = self._streams[key] = self._new_cache(key[1])
+            # The steps it shadowed the side's own run (shadow()): run now, in order.
+            for call, hidden in self._lagging.pop(key, []):
+                self._module_on(key[1], call, hidden, cache)
         return self._streams[key]
+
+    def shadow(self, key: tuple, call: Site, hidden: Hidden | None = None) -> bool:
+        """At a decode step, whether experiment ``key`` on this side's ``call`` (its
+        activations ``hidden``, which the caller found bit for bit those the call received)
+        may be answered by the call's recorded output, as outside decode steps: yes for a
+        call handed no cache; for one that is, while the stream has not been made — it has
+        shadowed the side's own run at every step before, so its cache would hold what the
+        side's own held. The call is kept, and run when the stream is made (:meth:`stream`),
+        should a later step need it; a clean decode makes none, which is most of its cost."""
+        if self.stepper is None or key in self._streams:
+            return False
+        if not self.keeps_cache(key[1], call):
+            return True
+        if key[0] == "module":
+            self.remember(key[1], call, hidden)
+        self._lagging.setdefault(key, []).append((call, hidden))
+        return True
+
+    def made_stream(self, key: tuple) -> Any:
+        """The stream ``key`` if made, ``None`` while it shadows the side's own run (its
+        contents are then the side's own cache's)."""
+        return self._streams.get(key) if self.stepper is not None else None
 
     def _new_cache(self, path: str) -> Any:
         """An empty cache for an experiment on module ``path``: the stepper's own kind, or —
@@ -225,6 +250,7 @@ class LiveSide(SideDefaults):
         # its experiments carry from step to step.
         self.stepper: Any = stepper
         self._streams: dict[tuple, Any] = {}
+        self._lagging: dict[tuple, list[tuple[Site, Hidden | None]]] = {}  # shadow(): the calls a stream has not run
         self._step, self._history = 0, {}
         for side in self._precisions.values():
             side.start_decode(stepper)
@@ -286,9 +312,12 @@ class LiveSide(SideDefaults):
         )
 
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
-        stream = self._written_stream(("module", path), call, hidden)
-        args, kwargs = self._replay(call, hidden, stream)
-        with _on(stream, self.module(path)):
+        return self._module_on(path, call, hidden, self._written_stream(("module", path), call, hidden))
+
+    def _module_on(self, path: str, call: Site, hidden: Hidden | None, cache: Any) -> Any:
+        """Module ``path`` run on ``call`` (activations ``hidden``) with ``cache``."""
+        args, kwargs = self._replay(call, hidden, cache)
+        with _on(cache, self.module(path)):
             return self.runnable(path)(*args, **kwargs)
 
     def child_calls(self, path: str, call: Site, hidden: Hidden | None = None, *, depth: int = 2) -> list[Site]:
