@@ -16,7 +16,8 @@ and writes the same as JSON (``--json PATH``):
 5. flex attention (its CUDA kernels) against sdpa in bfloat16: nothing blamed;
 6. a process group with NCCL (world size 1: its collectives, then a diff inside it; with 2+
    GPUs, the tensor-parallel sample under torchrun);
-7. decode steps on CUDA (clean, and a cache bug blamed on its step); backward: not landed.
+7. decode steps on CUDA (clean, and a cache bug blamed on its step);
+8. the backward diff on CUDA (clean, and a wrong weight gradient blamed, the forward clean).
 
 ``--dry-run`` runs the same checks on the CPU (CUDA replaced by the CPU where it can be,
 inductor by ``aot_eager``; checks that need CUDA itself are skipped with the reason), and is
@@ -296,9 +297,18 @@ def decode(ctx: Context) -> tuple[bool, str, str]:
         "nothing blamed; step 1 block 1 attention (kv cache)", "; ".join(found)
 
 
-@check("7 backward on DEVICE")
-def backward(ctx: Context) -> tuple[None, str, str]:
-    return None, "the backward diff's checks", "skipped: the backward diff has not landed yet (issue #31)"
+@check("8 backward, cpu-fp32 vs DEVICE-bf16: clean, and a fused norm's wrong weight gradient")
+def backward(ctx: Context) -> tuple[bool, str, str]:
+    found = []
+    for candidate in ("samples/hf_llama.py:build", "samples/backward_bugs.py:fused_norm_weight_grad"):
+        code, report, said = cli("diff", "samples/hf_llama.py:build", candidate, "--cand-device", ctx.device,
+                                 "--cand-dtype", "bfloat16", "--backward", "--seq", "8")
+        if report is None:
+            found.append(said.strip()[-200:])
+            continue
+        found.append(f"forward: {blamed(report)}, backward: {blamed(report.get('backward'))}")
+    expected = ["forward: nothing blamed, backward: nothing blamed", "forward: nothing blamed, backward: block 1 norm"]
+    return found == expected, "; ".join(expected), "; ".join(found)
 
 
 def main() -> int:

@@ -12,11 +12,15 @@ vocab 32000; batch 1, seq 256, float32, CPU, 2 threads) it prints each figure as
    one block's activations); measured as the diff's peak above the RSS it starts from,
    with both models already built (the peak counter is reset first: Linux only)
 
+7. a decode diff of 32 steps / 32-step generation on both sides (``benchmarks/decode.py``,
+   goal <= 4), and its cost per step at 16, 32, 64 steps (goal: linear)
+8. a backward diff / forward and backward of both sides (``benchmarks/backward.py``, goal <= 4)
+
 and, when transformers is installed, HF's ``model_addition_debugger_context`` on the same
 model for comparison. Dump checksums are measured too: dump write and read throughput
 with CRC-32C checksums against the same dump written with ``checksums=False``.
 
-    python benchmarks/overhead.py            # about three minutes on 2 cores
+    python benchmarks/overhead.py            # about five minutes on 2 cores
     python benchmarks/overhead.py --quick    # smaller model, for a smoke run
     python benchmarks/overhead.py --device cuda   # capture overhead of a CUDA model (figures 1, 2)
     python benchmarks/overhead.py --only 5        # one figure (2: streamed capture, 3: dump writes, 5: the mixed-precision diff)
@@ -457,6 +461,7 @@ def main() -> None:
               f"= {grow / block_acts:5.1f} blocks' activations ({block_acts / 2**20:.1f} MiB each)"
               + ("   (goal <= 1 block)" if mode == "stream" else ""))
 
+    executions(quick)
     try:
         from transformers.model_debugging_utils import model_addition_debugger_context
     except ImportError:
@@ -471,6 +476,23 @@ def main() -> None:
             print(f"   HF model_addition_debugger_context / forward {hf / plain:8.3f}")
         except Exception as exc:  # the debugger's own requirements
             print(f"   HF model_addition_debugger_context: not measured ({type(exc).__name__}: {exc})")
+
+
+def executions(quick: bool) -> None:
+    """Figures 7 and 8, the decode and backward diffs, by their own benchmarks (each in a
+    process of its own, so that neither's memory or threads weigh on the other)."""
+    here = Path(__file__).resolve().parent
+    for figure, script, args in (("7. decode", "decode.py", []), ("8. backward", "backward.py", ["--repeat", "3"])):
+        done = subprocess.run(
+            [sys.executable, str(here / script), *(["--quick"] if quick else args)], capture_output=True, text=True, timeout=1800
+        )
+        lines = [line for line in done.stdout.splitlines() if "ratio" in line or "per step" in line]
+        if done.returncode != 0 or not lines:
+            print(f"{figure} ({script}): not measured (exit {done.returncode}) {done.stderr.strip()[-300:]}")
+            continue
+        print(f"{figure} ({script}):")
+        for line in lines:
+            print(f"   {line.strip()}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from .errors import (  # noqa: E402
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .assertion import DivergenceError, assert_no_divergence
+    from .invariance import assert_batch_invariant
     from .engine import Options, diff, run
     from .inputs import RandomTokens
     from .autodetect import resolve
@@ -57,6 +58,7 @@ _LAZY = {
     "trained_looking_": ".weights",
     "assert_no_divergence": ".assertion",
     "DivergenceError": ".assertion",
+    "assert_batch_invariant": ".invariance",
 }
 
 __all__ = [
@@ -73,6 +75,7 @@ __all__ = [
     "trained_looking_",
     "assert_no_divergence",
     "DivergenceError",
+    "assert_batch_invariant",
     "BlockdiffError",
     "DumpError",
     "HookMapError",

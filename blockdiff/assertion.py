@@ -182,6 +182,8 @@ def assert_no_divergence(
     labels: tuple[str | None, str | None] = (None, None),
     decode: int = 0,
     caches: tuple[str, str] = ("dynamic", "dynamic"),
+    backward: bool = False,
+    loss: Any = None,
     **tolerances: Any,
 ) -> Report:
     """Assert that ``candidate`` does not diverge from ``reference`` on ``inputs``.
@@ -193,6 +195,9 @@ def assert_no_divergence(
         reference_hooks, candidate_hooks, fast_path, labels: as for :func:`blockdiff.diff`.
         decode, caches: decode steps after the prompt ``inputs`` (token ids), each side with
             its own cache, every step judged (``docs/decode.md``); 0: one forward pass.
+        backward, loss: also run forward and backward on both sides and judge the gradients
+            (``docs/backward.md``); ``loss`` a callable ``loss(output, inputs)`` or a
+            ``"module:function"`` spec, default next-token cross-entropy on the input ids.
         **tolerances: ``policy="fixed"|"calibrated"`` and fixed relative-L2 thresholds
             per sub-path or stage, e.g. ``ffn=0.05`` (see :func:`tolerance_from`).
 
@@ -220,6 +225,8 @@ def assert_no_divergence(
         labels=labels,
         decode=decode,
         caches=caches,
+        backward=backward,
+        loss=loss,
     )
     report = run(reference, candidate, inputs, options=options)
     raise_for_divergence(
@@ -227,6 +234,24 @@ def assert_no_divergence(
         heading="blockdiff: the candidate first diverges from the reference there",
         extra_steps=["keep every metric: the error's .report.write_json(PATH)"],
     )
+    if report.backward is not None and report.backward.diverged:  # --backward: the forward is clean
+        first = report.backward.first_divergence
+        assert first is not None
+        raise DivergenceError(
+            "\n".join([
+                report.verdict(),
+                "blockdiff: the forward agrees; the candidate's gradients first diverge from the reference's there "
+                "(judged from the head to the embedding)",
+                "",
+                render_text(report.backward),
+                "",
+                "what to do next:",
+                f"  - read the backward of {first.module}: its gradients are measured on the reference's own "
+                "inputs and output gradient, so the cause is inside it, not upstream",
+                "  - keep every metric: the error's .report.write_json(PATH) (its \"backward\")",
+            ]),
+            report=report,
+        )
     return report
 
 

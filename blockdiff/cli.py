@@ -168,6 +168,11 @@ def _apply(options: list) -> Callable:
     return decorate
 
 
+
+def _decode_option(help_text: str) -> Callable:
+    """``--decode N``, as ``diff`` and ``capture`` take it."""
+    return click.option("--decode", type=click.IntRange(min=1), default=None, metavar="N", help=help_text)
+
 @cli.command("diff")
 @click.argument("reference")
 @click.argument("candidate", required=False)
@@ -211,19 +216,22 @@ def _apply(options: list) -> Callable:
     help="With --rank: the baseline is the reference's own floor at this precision (is an int8 candidate worse "
     "than bfloat16 here?) [default: each check's threshold].",
 )
-@click.option(
-    "--decode",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="N",
-    help="After the prompt (the inputs), N decode steps of one token, each side with its own KV cache, every "
+@_decode_option(
+    "After the prompt (the inputs), N decode steps of one token, each side with its own KV cache, every "
     "step localized (docs/decode.md). With no CANDIDATE: the model's cached decode against its own uncached "
-    "forward.",
+    "forward; with a dump of a decode as REFERENCE: its steps (all, unless N is given)."
 )
 @click.option("--ref-cache", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
               help="With --decode: the reference's Hugging Face cache.")
 @click.option("--cand-cache", type=click.Choice(["dynamic", "static"]), default=None,
               help="With --decode: the candidate's Hugging Face cache [default: --ref-cache].")
+@click.option("--backward", is_flag=True,
+              help="Also run forward and backward on both sides (same inputs, same loss, eval mode) and localize the "
+              "first divergent gradient, from the head to the embedding; the forward and backward verdicts are "
+              "reported apart (docs/backward.md).")
+@click.option("--loss", "loss", metavar="MODULE:FUNCTION", default=None,
+              help="With --backward: the loss, a function (output, inputs) -> scalar in path/to/file.py or "
+              "package.module [default: next-token cross-entropy on the input ids].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report (blockdiff.report/2) here.")
 @click.option("--save-dumps", type=click.Path(file_okay=False), help="Keep both sides' captures as DIR/reference.h5 and DIR/candidate.h5 (implies --stream).")
 @click.option("--stream", is_flag=True, help="Capture to temporary dumps and localize block by block: memory holds one block's activations.")
@@ -255,6 +263,8 @@ def diff_command(
     decode: int | None,
     ref_cache: str,
     cand_cache: str | None,
+    backward: bool,
+    loss: str | None,
     json_path: str | None,
     save_dumps: str | None,
     stream: bool,
@@ -299,6 +309,8 @@ def diff_command(
       blockdiff diff samples/hf_llama.py:build \\
           samples/decode_bugs.py:cache_one_slot_early --decode 4
       blockdiff diff samples/hf_llama.py:build --decode 8
+      blockdiff diff samples/tinylm.py:build \\
+          samples/backward_bugs.py:fused_norm_weight_grad --backward
       blockdiff diff samples/tinylm.py:build tinylm.onnx --batch 2 --seq 16
       blockdiff diff samples/tinylm.py:build samples/bugs.py:post_norm \\
         --plot bug.png --html bug.html
@@ -317,6 +329,8 @@ def diff_command(
         require_matplotlib()  # fail before the diff runs, not after
     if baseline_dtype and rank is None:
         raise click.UsageError("--baseline-dtype sets the baseline of --rank N; give --rank too")
+    if loss and not backward:
+        raise click.UsageError("--loss sets the loss of --backward; give --backward too")
     if any(not cf > 0 for cf in capacity_factors):
         raise click.BadParameter("capacity factors must be positive numbers", param_hint="--capacity-factor")
     if hooks_path and (ref_hooks or cand_hooks):
@@ -347,6 +361,8 @@ def diff_command(
             dtypes=(r_dtype, c_dtype),
             decode=decode or 0,
             caches=(ref_cache, cand_cache or ref_cache),
+            backward=backward,
+            loss=loss,
         ),
     )
     _stop_progress()
@@ -399,12 +415,41 @@ def _emit(
     _pictures(report, plot_path=plot_path, html_path=html_path, quiet=quiet)
     if quiet:
         first = report.first_divergence
-        click.echo("no divergence" if first is None else f"first divergence: {first.headline()}")
+        if report.backward is not None:  # --backward: both verdicts, apart
+            click.echo(report.verdict())
+        else:
+            click.echo("no divergence" if first is None else f"first divergence: {first.headline()}")
     else:
         render(report, _console(), advice=_advice(json_path=json_path))
+        if report.backward is not None:
+            _backward(report)
     if rank is not None and report.ranking is not None:
         render_ranking(report, _console(), top=rank)
     sys.exit(EXIT_DIVERGED if report.diverged else 0)
+
+
+def _backward(report: Any) -> None:
+    """After the forward's report, the backward's (``--backward``): its heatmap (blocks as
+    the forward's, read head to embedding), its divergences, both verdicts in one line."""
+    from .render import render_heatmap
+    from .report import named_headline
+    from .view import drill_down
+
+    console = _console()
+    console.print("Backward (gradients, judged from the head to the embedding):", highlight=False)
+    for note in report.backward.notes[1:]:  # the first is the forward report's already
+        console.print(f"note: {note}", highlight=False, markup=False)
+    render_heatmap(report.backward, console)
+    found = report.backward.divergences
+    if len(found) > 1:
+        console.print(f"{len(found)} divergent gradients:", highlight=False)
+        for divergence in found:
+            console.print(f"  - {named_headline(divergence)}", highlight=False, markup=False)
+    console.print(report.verdict(), highlight=False, markup=False)
+    first = report.backward.first_divergence
+    drill = None if first is None else drill_down(first)
+    if drill is not None:
+        console.print(f"  {drill}", highlight=False, markup=False)
 
 
 @cli.command("report")
@@ -434,12 +479,82 @@ def report_command(report_path: str, plot_path: str | None, html_path: str | Non
         from .render import ADVICE_SAVED, render
 
         render(data, _console(), advice=ADVICE_SAVED.format(path=report_path))
+        if isinstance(data, dict) and data.get("backward") is not None:  # a --backward report
+            from .report import Report
+
+            _backward(Report.from_dict(data))
         return
     if plot_path:
         from .plot import require_matplotlib
 
         require_matplotlib()
     _pictures(data, plot_path=plot_path, html_path=html_path)
+
+
+@cli.command("invariance")
+@click.argument("model")
+@click.option("--batch", type=click.IntRange(min=2), default=8, show_default=True, help="Rows in the batch (random token ids).")
+@click.option("--seq", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per row (random token ids).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random token ids.")
+@click.option("--tokens", type=click.Path(dir_okay=False), help="The batch's token ids (.json list of lists or .safetensors), instead of random ones.")
+@click.option("--rows", default=None, metavar="I,J,...", help="The rows judged, each alone against itself in the batch [default: all].")
+@click.option("--padding", type=click.Choice(["left", "right"]), default=None,
+              help="Rows of different lengths (--lengths; default: the first row whole, the last half), padded on this side, "
+              "with the attention mask and position ids.")
+@click.option("--lengths", default=None, metavar="N,N,...", help="With --padding: each row's number of tokens.")
+@click.option("--tol", "bound", type=float, default=0.0, show_default=True, help="The relative L2 a row may differ by (0: bit-exact).")
+@click.option("--device", default="cpu", show_default=True, help="Device to run on (cpu, cuda, cuda:N, auto).")
+@click.option("--dtype", default="float32", show_default=True, help="Dtype to run in.")
+@click.option("--hooks", "hooks_path", type=click.Path(dir_okay=False), help="Hook map TOML (default: found by class name).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report (blockdiff.report/2) here.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write one self-contained HTML report (the JSON embedded).")
+@click.option("--quiet", "-q", is_flag=True, help="Print only the first-divergence line.")
+@debug_option
+def invariance_command(
+    model: str, batch: int, seq: int, seed: int, tokens: str | None, rows: str | None, padding: str | None,
+    lengths: str | None, bound: float, device: str, dtype: str, hooks_path: str | None, json_path: str | None,
+    html_path: str | None, quiet: bool,
+) -> None:
+    """Find the first operation of MODEL whose output for a row depends on the rest of
+    its batch.
+
+    Each row runs alone (the reference) and inside the batch (the candidate); every site
+    is compared row by row, bit for bit unless --tol is given, and each experiment runs
+    the whole batch with the row's inputs the row alone's, so the first divergence names a
+    block, a sub-path and, through the drill-down, the child module (docs/invariance.md).
+    Exit status 1 when a row differs.
+
+    \b
+    Examples:
+      blockdiff invariance samples/tinylm.py:build
+      blockdiff invariance samples/invariance_bugs.py:matmul_split_by_rows --batch 4
+      blockdiff invariance samples/hf_llama.py:build --batch 4 --seq 12 --padding left
+      blockdiff invariance mypkg.models:build --dtype bfloat16 --batch 32 --tol 1e-3
+    """
+    from . import hookmap
+    from .dtypes import parse_dtype
+    from .invariance import invariance
+    from .loading import parse_device
+
+    if lengths and not padding:
+        raise click.UsageError("--lengths gives rows of different lengths: give --padding left or right too")
+    report = invariance(
+        model, tokens, batch=batch, seq=seq, seed=seed, rows=_numbers(rows, "--rows"), padding=padding,
+        lengths=_numbers(lengths, "--lengths"), tolerance=bound, hooks=hookmap.load(hooks_path) if hooks_path else None,
+        device=parse_device(device), dtype=parse_dtype(dtype), label=model,
+    )
+    _stop_progress()
+    _emit(report, json_path=json_path, quiet=quiet, html_path=html_path)
+
+
+def _numbers(text: str | None, option: str) -> list[int] | None:
+    """``"0,2,5"`` as ``[0, 2, 5]``."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected whole numbers separated by commas, found {text!r}", param_hint=option) from None
 
 
 @cli.command("capture")
@@ -464,13 +579,9 @@ def report_command(report_path: str, plot_path: str | None, html_path: str | Non
     help="Measure every check's noise floor at these precisions and store them in the dump, so that "
     "replaying a candidate in one of them is calibrated like a live diff (device default: --device).",
 )
-@click.option(
-    "--decode",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="N",
-    help="After the prompt (the inputs), N decode steps with a KV cache, every step written (docs/decode.md); "
-    "`blockdiff diff OUT CANDIDATE` then replays the candidate's decode against it.",
+@_decode_option(
+    "After the prompt (the inputs), N decode steps with a KV cache, every step written (docs/decode.md); "
+    "`blockdiff diff OUT CANDIDATE` then replays the candidate's decode against it."
 )
 @click.option("--cache", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
               help="With --decode: the Hugging Face cache to decode with.")

@@ -102,6 +102,12 @@ def stepper_for(model: nn.Module, *, kind: str, length: int) -> Stepper:
     model (one with a ``config``)."""
     own = getattr(model, "blockdiff_stepper", None)
     if own is not None:
+        layout = getattr(own, "kv_layout", None)
+        if layout is not None and sorted(layout) != sorted(KV_LAYOUT):
+            raise InputError(
+                f"{type(model).__name__}'s blockdiff_stepper.kv_layout {tuple(layout)} must name each of "
+                f"{', '.join(KV_LAYOUT)} once (how its cache tensors are laid out)"
+            )
         return own
     if getattr(model, "config", None) is None or not _takes_cache(model):
         raise InputError(
@@ -316,20 +322,36 @@ def remember(side: Side, store: MemoryStore) -> None:
             side.remember(site.module, site, None)  # type: ignore[attr-defined]
 
 
+# How blockdiff reads a cache layer's keys and values; a stepper's ``kv_layout`` says how
+# its model lays them out when it does otherwise.
+KV_LAYOUT = ("batch", "kv_heads", "positions", "head_dim")
+
+
+def canonical(layer: Layer | None, stepper: Any) -> Layer | None:
+    """A layer's (keys, values) as :data:`KV_LAYOUT` lays them out, from the stepper's
+    ``kv_layout`` (the same when it declares none)."""
+    layout = tuple(getattr(stepper, "kv_layout", None) or KV_LAYOUT)
+    if layer is None or layout == KV_LAYOUT:
+        return layer
+    order = [layout.index(name) for name in KV_LAYOUT]
+    return layer[0].permute(*order), layer[1].permute(*order)
+
+
 def contents_of(model: nn.Module, stepper: Stepper, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
     """What a side's own cache holds after a step (its own tensors, read at once), per
     layer: a cache handed to the modules (:func:`cache_contents`), or the buffers the
     stepper names (``cache_buffers``), one layer per module holding both, in the model's
-    module order."""
+    module order; laid out as :data:`KV_LAYOUT` (:func:`canonical`)."""
     names = cache_buffers(stepper)
     if not names:
-        return cache_contents(cache, copy=False)
+        held = cache_contents(cache, copy=False)
+        return None if held is None else [canonical(layer, stepper) for layer in held]
     found: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for module in model.modules():
         if len(names) >= 2 and names[0] in module._buffers and names[1] in module._buffers:
             keys, values = module._buffers[names[0]], module._buffers[names[1]]
             ok = isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.numel()
-            found.append((keys.detach(), values.detach()) if ok else None)
+            found.append(canonical((keys.detach(), values.detach()), stepper) if ok else None)
     return found
 
 
@@ -412,7 +434,7 @@ def _held(side: Side, key: tuple, layer: int, own: list | None) -> Layer | None:
     still shadowing the side's own run — the side's own cache's (``own``, per layer)."""
     made = side.made_stream(key)  # type: ignore[attr-defined]
     if made is not None:
-        return layer_of(made, layer)
+        return canonical(layer_of(made, layer), side.stepper)  # type: ignore[attr-defined]
     return own[layer] if own is not None and layer < len(own) else None
 
 
@@ -452,6 +474,6 @@ def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None
 
 
 __all__ = [
-    "CACHE_KINDS", "CacheLog", "Decoded", "HFStepper", "StepCall", "Stepper", "add_kv_checks", "attention_layers",
+    "CACHE_KINDS", "CacheLog", "Decoded", "KV_LAYOUT", "canonical", "HFStepper", "StepCall", "Stepper", "add_kv_checks", "attention_layers",
     "cache_contents", "contents_of", "decode", "first_difference", "kv_checks", "layer_of", "remember", "stored", "stored_steps", "stepper_for",
 ]

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from . import decoding, distributed
+from . import backward, decoding, distributed
 from ._version import __version__
 from .capture import TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
@@ -85,6 +85,12 @@ class Options:
         uncached_reference: with ``decode``, the reference runs without a cache (its whole
             sequence at once, paired position by position with the candidate's steps): a
             model against its own cache. :func:`run` sets it when no candidate is given.
+        backward: after the forward diff, both sides run forward and backward on the same
+            inputs and loss, and the gradients are localized from the head to the
+            embedding: ``report.backward`` (:mod:`blockdiff.backward`, docs/backward.md).
+        loss: the loss of ``backward``: ``"module:function"`` or ``"path/file.py:function"``
+            or a callable ``loss(output, inputs)``; ``None``: next-token cross-entropy on
+            the input ids.
     """
 
     tolerance: Tolerance | None = None
@@ -102,6 +108,8 @@ class Options:
     decode: int = 0
     caches: tuple[str, str] = ("dynamic", "dynamic")
     uncached_reference: bool = False
+    backward: bool = False
+    loss: str | Callable[[Any, Any], Any] | None = None
 
     @classmethod
     def of(cls, options: "Options | None" = None, **fields_: Any) -> "Options":
@@ -166,6 +174,8 @@ def run(
             "--decode replays a live candidate against a reference dump of a decode (blockdiff capture MODEL "
             "--decode N): two dumps of decodes are not compared"
         )
+    if options.backward and ("dump" in (ref_kind, cand_kind) or options.decode):  # --backward (blockdiff.backward)
+        raise InputError("--backward runs both models live, one forward pass: not with a dump, nor with --decode")
     with distributed.lockstep(), ExitStack() as opened:
         ref = open_side(
             "reference", reference, opened=opened, hooks=options.reference_hooks, label=options.labels[0],
@@ -273,6 +283,15 @@ def _live(ref: Side, cand: Side, inputs: Inputs, options: Options) -> Report:
         return _decoded(ref, cand, inputs, options)
     lockstep = ref.lockstep or cand.lockstep
     localize = lambda free_run: _localize(ref, cand, inputs, options, free_run=free_run)  # noqa: E731
+    # -- --backward: the gradients localized after the forward (blockdiff.backward) --
+    if options.backward:
+        if options.save_dumps is not None or options.stream or options.rank or lockstep:
+            raise InputError("--backward runs in memory, on one process: not with --stream, --save-dumps, --rank or torchrun")
+        forward = localize
+        localize = lambda free_run: backward.judge(  # noqa: E731
+            ref, cand, inputs, forward(free_run), tolerance=options.tolerance, loss=options.loss
+        )
+    # -- end of --backward --
     with ExitStack() as stack:
         stack.enter_context(ref.running())
         stack.enter_context(cand.running())
@@ -348,7 +367,7 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
         raise InputError(f"--decode must be a number of steps, found {options.decode}")
     length = prompt.shape[1] + options.decode + 1
     for side in (ref, cand) if ref.live else (cand,):
-        if not hasattr(side, "start_decode"):
+        if not side.decodes:
             raise InputError(f"the {side.name} cannot decode: decode steps need live PyTorch models")
     steppers = [
         decoding.stepper_for(side.module(""), kind=kind, length=length) if side.live else None  # type: ignore[attr-defined]
@@ -639,6 +658,12 @@ def measure_floors(
 # -- recording and localizing ---------------------------------------------------------------
 
 
+def localize(ref: Side, cand: Side, inputs: Inputs | None, options: Options) -> Report:
+    """Localize two sides whose stores are filled already: the engine's one path, for a
+    mode that records its sides itself (:mod:`blockdiff.invariance`)."""
+    return _localize(ref, cand, inputs, options)
+
+
 def _localize(
     ref: Side, cand: Side, inputs: Inputs | None, options: Options, *, free_run: Callable[[Side], Any] | None = None,
     stateful: bool = False, complete: Callable[[Localizer, list], None] | None = None,
@@ -844,4 +869,3 @@ def describe_inputs(inputs: Inputs | None) -> dict[str, Any]:
     else:
         kind, shape = ("args" if isinstance(inputs, tuple) else "kwargs"), None
     return {"kind": kind, "shape": shape, "digest": digest(inputs)}
-

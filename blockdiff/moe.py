@@ -262,11 +262,11 @@ def side_decision(side: Side, layout: BlockLayout, router: Site, output: Any = N
     output = router.output if output is None else output
     top_k = layout.moe.get("top_k")
     routing = decision(output, layout.moe["format"], top_k=None if top_k is None else int(top_k), what=router.label)
-    routing.routing.capacity = _capacity(side, layout.moe.get("capacity"), routing.routing.logits.shape[0])
+    routing.routing.capacity = capacity_of(side, layout.moe.get("capacity"), routing.routing.logits.shape[0])
     return routing
 
 
-def _capacity(side: Side, path: str | None, tokens: int) -> int | None:
+def capacity_of(side: Side, path: str | None, tokens: int) -> int | None:
     """An MoE's own expert capacity: the attribute ``path`` names (an int, or a callable
     taking the token count), or ``None`` for dropless models."""
     if path is None:

@@ -163,6 +163,9 @@ class SubpathResult:
     status: str  # "checked", "not_needed" (fast path), "absent" (the block has none)
     checks: list[Check] = field(default_factory=list)
     order: float = 0  # execution order of its first site, for the verdict
+    # Backward: its divergence follows from the forward's there ("forward block 1 ffn"):
+    # not a divergence of its own (docs/backward.md).
+    explained_by: str | None = None
 
     @property
     def worst(self) -> Check | None:
@@ -178,12 +181,14 @@ class SubpathResult:
         if worst is not None:
             out.update({k: v for k, v in worst.to_dict().items() if k != "diverged"})
         out["checks"] = [c.to_dict() for c in self.checks]
+        if self.explained_by is not None:
+            out["explained_by"] = self.explained_by
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SubpathResult:
         """The sub-path of :meth:`to_dict` (its ``order`` is set by :meth:`Report.from_dict`)."""
-        return cls(data["status"], [Check.from_dict(c) for c in data["checks"]])
+        return cls(data["status"], [Check.from_dict(c) for c in data["checks"]], explained_by=data.get("explained_by"))
 
 
 @dataclass
@@ -199,6 +204,7 @@ class StageResult:
     # Its output differs but what reaches the next stage agrees: code moved across the
     # module boundary ({"reaches": "block 0 input", "rel_l2": ...}); blames nothing.
     boundary_move: dict[str, Any] | None = None
+    explained_by: str | None = None  # backward: as SubpathResult.explained_by
 
     @property
     def drift_order(self) -> float:
@@ -213,6 +219,7 @@ class StageResult:
             "drift": _optional(self.drift, Metrics.to_dict),
             "drift_check": _optional(self.drift_check, Check.to_dict),
             "boundary_move": self.boundary_move,
+            **({"explained_by": self.explained_by} if self.explained_by is not None else {}),
         }
 
     @classmethod
@@ -224,6 +231,7 @@ class StageResult:
             _optional(data.get("drift"), Metrics.from_dict),
             drift_check=_optional(data.get("drift_check"), Check.from_dict),
             boundary_move=data.get("boundary_move"),
+            explained_by=data.get("explained_by"),
         )
 
 
@@ -241,6 +249,7 @@ class BlockResult:
     # Where the block output's error comes from, to first order (Localizer.budget):
     # {"incoming" | sub-path: {"error": absolute L2 error, "share": fraction}}.
     budget: dict[str, dict[str, float]] | None = None
+    explained_by: str | None = None  # backward: the whole-block check's, as SubpathResult.explained_by
 
     @property
     def drift_order(self) -> float:
@@ -266,6 +275,7 @@ class BlockResult:
             "drift_check": _optional(self.drift_check, Check.to_dict),
             "unmapped": self.unmapped,
             **({"budget": _budget(self.budget, json_number)} if self.budget is not None else {}),
+            **({"explained_by": self.explained_by} if self.explained_by is not None else {}),
         }
 
     @classmethod
@@ -285,6 +295,7 @@ class BlockResult:
             unmapped=list(data.get("unmapped", [])),
             budget=_budget(data["budget"], from_json_number) if data.get("budget") is not None else None,
             drift_check=_optional(data.get("drift_check"), Check.from_dict),
+            explained_by=data.get("explained_by"),
         )
 
 
@@ -358,8 +369,24 @@ class Divergence:
             )
         return (
             f"{where} ({module}): {self.check.metric} {self.check.measured:.3g} > threshold "
-            f"{self.check.threshold.value:.3g} ({self.check.ratio:.1f}x)"
+            f"{self.check.threshold.value:.3g} ({times(self.check)})"
         )
+
+
+def times(check: Check) -> str:
+    """How far over its threshold a check is: ``1619.6x``, or ``not bit-exact`` against a
+    threshold of 0 (batch invariance)."""
+    return "not bit-exact" if check.threshold.value == 0 else f"{check.ratio:.1f}x"
+
+
+def named_headline(divergence: Divergence) -> str:
+    """:meth:`Divergence.headline` with what the check compared after where it is
+    (``block 2 ffn (input gradient) (blocks.2.ffn): …``): a backward divergence is an input
+    or a parameter gradient."""
+    head, where = divergence.headline(), divergence.where
+    if divergence.subpath == DRIFT or not head.startswith(where + " ("):
+        return head
+    return f"{where} ({divergence.check.what}){head[len(where):]}"
 
 
 @dataclass
@@ -383,19 +410,27 @@ class Report:
     # and blocks these are, tokens_differ_at), and each step summed up (docs/decode.md).
     decode: dict[str, Any] | None = None
     steps: list[dict[str, Any]] | None = None
+    # --backward: the gradients' report, its stages and blocks in backward execution order
+    # (head first, embedding last); its verdict is the backward's (docs/backward.md).
+    backward: "Report | None" = None
+    # blockdiff invariance: the batch, the rows judged, each row's first divergence, and per
+    # divergent site its rows and largest difference (docs/invariance.md).
+    invariance: dict[str, Any] | None = None
 
     @property
     def divergences(self) -> list[Divergence]:
         """Every divergent stage or (block, sub-path), in execution order."""
         found: list[tuple[int, Divergence]] = []
         for stage in self.stages:
-            if stage.local is not None and stage.local.diverged and stage.boundary_move is None:
+            if stage.local is not None and stage.local.diverged and stage.boundary_move is None and stage.explained_by is None:
                 found.append((stage.order, Divergence(stage.stage, None, None, stage.module, stage.local)))
         for block in self.blocks:
             any_subpath = False
             for name, result in sorted(block.subpaths.items(), key=lambda kv: kv[1].order):
                 if result.diverged:
                     any_subpath = True
+                    if result.explained_by is not None:  # a backward check the forward explains
+                        continue
                     # A wrong cache write is what the attention's output then shows: named first.
                     worst = next((c for c in result.checks if c.diverged and c.part == KV_CACHE), result.worst)
                     assert worst is not None
@@ -403,7 +438,7 @@ class Report:
                     position = min((c.order for c in result.checks if c.diverged and c.order is not None), default=result.order)
                     found.append((position, Divergence("block", block.index, blamed, worst.module, worst, block.stack)))
             tolerated = any(c.tolerated for r in block.subpaths.values() for c in r.checks)
-            if not any_subpath and not tolerated and block.block is not None and block.block.diverged:
+            if not any_subpath and not tolerated and block.block is not None and block.block.diverged and block.explained_by is None:
                 # The block diverges but no sub-path explains it: never pass it silently.
                 # (A sub-path the user tolerated with an override does explain it.)
                 found.append(
@@ -509,7 +544,18 @@ class Report:
 
     @property
     def diverged(self) -> bool:
-        return self.first_divergence is not None
+        """Whether anything diverged: the forward, or (``--backward``) the gradients."""
+        return self.first_divergence is not None or (self.backward is not None and self.backward.diverged)
+
+    def verdict(self) -> str:
+        """The verdict in one line; with a backward, the forward's and the backward's apart:
+        ``forward: no divergence; backward: block 2 ffn (input gradient) (blocks.2.ffn): rel_l2 …``."""
+        first = self.first_divergence
+        forward = "no divergence" if first is None else first.headline()
+        if self.backward is None:
+            return forward
+        back = self.backward.first_divergence
+        return f"forward: {forward}; backward: {'no divergence' if back is None else named_headline(back)}"
 
     @property
     def stacks(self) -> list[str]:
@@ -552,6 +598,10 @@ class Report:
         if self.decode is not None:
             out["decode"] = self.decode
             out["steps"] = self.steps or []
+        if self.backward is not None:
+            out["backward"] = {**self.backward.to_dict(), "direction": "backward"}
+        if self.invariance is not None:
+            out["invariance"] = self.invariance
         return out
 
     @classmethod
@@ -591,17 +641,19 @@ class Report:
                 ranking=data.get("ranking"),
                 decode=data.get("decode"),
                 steps=data.get("steps"),
+                backward=cls.from_dict(data["backward"]) if data.get("backward") is not None else None,
+                invariance=data.get("invariance"),
             )
-            report._restore_order(data.get("divergences") or [])
+            report._restore_order(data.get("divergences") or [], backward=data.get("direction") == "backward")
         except KeyError as exc:
             raise BlockdiffError(f"not a complete {SCHEMA} report: an entry has no {exc.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError) as exc:
             raise BlockdiffError(f"not a well-formed {SCHEMA} report ({type(exc).__name__}: {exc})") from None
         return report
 
-    def _restore_order(self, divergences: list[dict[str, Any]]) -> None:
+    def _restore_order(self, divergences: list[dict[str, Any]], *, backward: bool = False) -> None:
         """Orders for the stages, blocks and sub-paths of a report read from JSON (see
-        :meth:`from_dict`)."""
+        :meth:`from_dict`); a backward report's run from the head to the embedding."""
         stacks = self.stacks if len(self.stacks) > 1 else []
         owner = [self.stack_of(s) for s in self.stages]
 
@@ -616,6 +668,8 @@ class Report:
         if not stacks:
             sequence += self.blocks
         sequence += stages(None, before=False)
+        if backward:
+            sequence.reverse()
         listed = {(d.get("block"), d.get("subpath")): i for i, d in enumerate(divergences) if d.get("stage") == "block"}
         for position, item in enumerate(sequence):
             item.order = position

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .compare import from_json_number
-from .report import Check, Divergence, Report, SubpathResult
+from .report import Check, Divergence, Report, SubpathResult, times
 from .vocab import SUBPATHS
 
 __all__ = [
@@ -89,7 +89,7 @@ def drill_down(divergence: Divergence) -> str | None:
         )
     return (
         f"first divergent child: {first.module}: {first.metric} {first.measured:.3g} > threshold "
-        f"{first.threshold.value:.3g} ({first.ratio:.1f}x)"
+        f"{first.threshold.value:.3g} ({times(first)})"
     )
 
 

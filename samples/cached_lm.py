@@ -15,7 +15,8 @@ writes into a cache of its own instead of the model's (docs/decode.md).
 
 Factories: :func:`port` (Hugging Face Llama weights, :func:`samples.port.reference`, copied
 through the port's conversion), and planted bugs on its cached path only:
-:func:`write_one_slot_early` and :func:`rotary_not_offset`.
+:func:`write_one_slot_early` and :func:`rotary_not_offset`; :func:`slots_first` keeps its
+caches ``[batch, slots, kv_heads, head_dim]`` and says so in its adapter's ``kv_layout``.
 
     blockdiff diff samples/port.py:reference samples/cached_lm.py:port --decode 8
 """
@@ -39,12 +40,15 @@ SLOTS = 256  # positions each cache holds
 
 
 class KVCache(nn.Module):
-    """Keys and values of one attention, ``[batch, kv_heads, slots, head_dim]``, written at
-    the positions given; allocated for the batch on the first write after :meth:`reset`."""
+    """Keys and values of one attention, ``[batch, kv_heads, slots, head_dim]`` — or, with
+    ``slots_first``, ``[batch, slots, kv_heads, head_dim]`` as Meta's reference Llama code
+    keeps them — written at the positions given; allocated for the batch on the first
+    write after :meth:`reset`."""
 
-    def __init__(self, kv_heads: int, head_dim: int, slots: int = SLOTS) -> None:
+    def __init__(self, kv_heads: int, head_dim: int, slots: int = SLOTS, *, slots_first: bool = False) -> None:
         super().__init__()
-        self.shape = (kv_heads, slots, head_dim)
+        self.slots_first = slots_first
+        self.shape = (slots, kv_heads, head_dim) if slots_first else (kv_heads, slots, head_dim)
         self.register_buffer("k_cache", torch.zeros(0, *self.shape), persistent=False)
         self.register_buffer("v_cache", torch.zeros(0, *self.shape), persistent=False)
         self.offset = 0  # planted bug: where a single new token is written, relative to its position
@@ -58,6 +62,10 @@ class KVCache(nn.Module):
             self.k_cache = k.new_zeros(k.shape[0], *self.shape)
             self.v_cache = v.new_zeros(v.shape[0], *self.shape)
         where = input_pos + self.offset if input_pos.numel() == 1 else input_pos
+        if self.slots_first:
+            self.k_cache[:, where] = k.transpose(1, 2)
+            self.v_cache[:, where] = v.transpose(1, 2)
+            return self.k_cache.transpose(1, 2), self.v_cache.transpose(1, 2)
         self.k_cache[:, :, where] = k
         self.v_cache[:, :, where] = v
         return self.k_cache, self.v_cache
@@ -142,6 +150,8 @@ class Steps:
 
     # The buffers that hold the cache, keys first: blockdiff gives each experiment its own.
     cache_buffers = ("k_cache", "v_cache")
+    # How they are laid out (blockdiff reads them as [batch, kv_heads, positions, head_dim]).
+    kv_layout = ("batch", "kv_heads", "positions", "head_dim")
 
     def new_cache(self, model: nn.Module) -> Position:
         for module in model.modules():
@@ -165,6 +175,29 @@ def port_of(reference: nn.Module, model: CachedLM | None = None) -> CachedLM:
 def port(*, seed: int = 0) -> CachedLM:
     """:func:`samples.port.reference`'s weights in a model with its own cache."""
     return port_of(_port.reference(seed=seed))
+
+
+class SlotsFirst(Steps):
+    """The adapter of a model whose caches are ``[batch, slots, kv_heads, head_dim]``."""
+
+    kv_layout = ("batch", "positions", "kv_heads", "head_dim")
+
+
+def slots_first(model: CachedLM | None = None) -> CachedLM:
+    """The port with its caches laid out as Meta's reference Llama code lays them out,
+    ``[batch, slots, kv_heads, head_dim]``, and an adapter that says so."""
+    model = model if model is not None else port()
+    for block in model.blocks:
+        cache = block.attn.kv_cache
+        block.attn.kv_cache = KVCache(*cache.shape[::2], cache.shape[1], slots_first=True)
+        block.attn.kv_cache.offset = cache.offset
+    model.blockdiff_stepper = SlotsFirst()
+    return model
+
+
+def slots_first_one_slot_early() -> CachedLM:
+    """:func:`write_one_slot_early` with its caches laid out slots first."""
+    return slots_first(write_one_slot_early())
 
 
 def write_one_slot_early(*, block: int = DEFAULT_BLOCK) -> CachedLM:

@@ -171,10 +171,15 @@ class MoE(nn.Module):
     def expert_for(self, e: int) -> int:
         return e
 
+    def routing_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """The router's top-k weights as they scale the experts' outputs."""
+        return weights
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         _, weights, indices = self.router(flat)
+        weights = self.routing_weights(weights)
         keep = self.keep(indices)
         out = torch.zeros_like(flat)
         for e in range(len(self.experts)):

@@ -106,12 +106,18 @@ def test_a_model_against_its_own_uncached_forward(dtype):
     assert any("against its own cache" in note for note in bug.notes)
 
 
-def test_an_moe_model_decodes_with_its_routing_judged_at_every_step():
-    clean = run(hf_moe.build(), hf_moe.build().to(torch.bfloat16), IDS, options=Options(decode=2))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_moe_model_decodes_with_its_routing_judged_at_every_step(dtype, tmp_path, capsys):
+    clean = run(hf_moe.build(), hf_moe.build().to(getattr(torch, dtype)), IDS, options=Options(decode=2))
     assert blamed(clean) is None and clean.moe
     whats = [c.what for c in clean.blocks[1].subpaths["ffn"].checks]
     assert "routing flips" in whats and any(w.startswith("experts") for w in whats)
-    bug = run(hf_moe.build(), hf_moe.expert_off_by_one(), IDS, options=Options(decode=2))
+    code, out, err = run_cli(
+        ["diff", "samples/hf_moe.py:build", "samples/hf_moe.py:expert_off_by_one", "--decode", "2", "--cand-dtype", dtype,
+         "--seq", "8", "--json", str(tmp_path / "r.json")], capsys,
+    )
+    assert code == 1, err
+    bug = Report.from_dict(json.loads((tmp_path / "r.json").read_text()))
     assert blamed(bug)[:3] == (0, 1, "ffn")  # the experts are wrong from the prompt on
 
 
@@ -328,3 +334,18 @@ def test_a_cache_log_keeps_what_each_step_wrote_and_a_step_that_did_not_append_w
         assert torch.equal(keys, expected) and torch.equal(values, expected + 1)
     back = CacheLog.from_structure(log.to_structure())
     assert all(torch.equal(back.at(2)[0][i], log.at(2)[0][i]) for i in (0, 1))
+
+
+def test_a_cache_laid_out_slots_first_is_read_through_the_adapters_kv_layout():
+    from samples import cached_lm, port
+
+    clean = run(port.reference(), cached_lm.slots_first().to(torch.bfloat16), IDS, options=Options(decode=STEPS))
+    assert blamed(clean) is None
+    keys = clean.blocks[1].subpaths["attention"].checks[0]
+    assert keys.what == "kv cache: keys" and keys.measured < keys.threshold.value
+    bug = run(port.reference(), cached_lm.slots_first_one_slot_early(), IDS, options=Options(decode=STEPS))
+    assert blamed(bug) == (1, 1, "attention", "kv cache: keys")
+    wrong = cached_lm.slots_first()
+    wrong.blockdiff_stepper.kv_layout = ("batch", "positions", "heads", "head_dim")
+    with pytest.raises(InputError, match="kv_layout .* must name each of batch, kv_heads, positions, head_dim once"):
+        run(port.reference(), wrong, IDS, options=Options(decode=STEPS))

@@ -19,6 +19,7 @@ def test_all_is_exactly_the_public_names():
             "trained_looking_",
             "assert_no_divergence",
             "DivergenceError",
+            "assert_batch_invariant",
             "BlockdiffError",
             "DumpError",
             "HookMapError",

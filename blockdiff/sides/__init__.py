@@ -60,7 +60,9 @@ class Side(Protocol):
 
     Who: ``name``, ``meta``, ``layout``, ``device``, ``dtype``, ``lockstep``, ``versions``.
     Sites: ``store``, filled by ``record`` on the ``inputs`` it takes. Experiments: ``call_module``, ``run_block``, ``child_calls``,
-    ``attribute`` — a side that cannot run (``live`` false) is judged on drift only.
+    ``attribute`` — a side that cannot run (``live`` false) is judged on drift only;
+    ``decodes``: it runs decode steps with caches of its own (a live PyTorch model:
+    :class:`~blockdiff.sides.live.LiveSide`'s decode members, docs/decode.md).
     Precision: ``in_precision`` (the noise floor's side), ``runs_as``. Running: ``running``
     (the context its runs need), ``not_streamed``. Completing: ``holds``, ``localized``.
     """
@@ -70,6 +72,7 @@ class Side(Protocol):
     store: SiteStore
     meta: dict[str, Any]  # how the report describes it: model, class, device, dtype, hook_map
     live: bool  # whether it can run experiments (a dump cannot)
+    decodes: bool  # whether it runs decode steps, each experiment with a cache of its own
     lockstep: bool  # whether it runs on every rank of a launched run, in lockstep
     not_streamed: str | None  # why it cannot be recorded into a dump (--stream), or None
 
@@ -139,6 +142,7 @@ class SideDefaults:
     localization as the localizer runs it."""
 
     lockstep = False
+    decodes = False
     not_streamed: str | None = None
     @property
     def versions(self) -> dict[str, str]:

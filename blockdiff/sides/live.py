@@ -40,6 +40,7 @@ from ..inputs import (
     pixel_input,
     random_pixels,
     random_tokens,
+    run_model,
 )
 from ..modelinfo import describe, versions
 from ..site import (
@@ -78,6 +79,7 @@ class LiveSide(SideDefaults):
     """An ``nn.Module`` (eager or compiled) with its layout; :meth:`record` fills its store."""
 
     live = True
+    decodes = True  # start_decode, begin_step, stream, shadow, made_stream, remember, keeps_cache
 
     def __init__(
         self, name: str, model: nn.Module, layout: Layout, *, label: str | None = None, lockstep: bool = False
@@ -327,24 +329,18 @@ class LiveSide(SideDefaults):
         The hooks are added for this one run and removed in ``finally``."""
         module = self.module(path)
         leaves = {rel: child for rel, child in module.named_modules() if rel and rel.count(".") < depth}
-        found: list[Site] = []
-        open_: dict[str, list[Site]] = {}
-        calls: dict[str, int] = {}
+        children = _Children(path, call)
 
         def pre(rel: str) -> Callable:
             def hook(child: nn.Module, args: tuple, kwargs: dict) -> None:
-                site = Site(call.stage, call.block, call.subpath, f"{path}.{rel}", calls.get(rel, 0), len(found),
-                            snapshot(args), snapshot(kwargs), order=len(found))
-                calls[rel] = site.call + 1
-                found.append(site)
-                open_.setdefault(rel, []).append(site)
+                children.opened(rel, args, kwargs)
                 return None
 
             return hook
 
         def post(rel: str) -> Callable:
             def hook(child: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-                open_[rel].pop().output = snapshot(output)
+                children.closed(rel, output)
                 return None
 
             return hook
@@ -358,10 +354,7 @@ class LiveSide(SideDefaults):
                 hooks.before(child, pre(rel))
                 hooks.after(child, post(rel))
             self.runnable(path, module)(*args, **kwargs)
-        # The innermost modules that ran: a module whose own children ran is theirs to judge
-        # (a quantized Linear keeps its weights in a child that is never called: it stays).
-        ran = {site.module for site in found}
-        innermost = [s for s in found if not any(other.startswith(s.module + ".") for other in ran)]
+        innermost = children.innermost()
         for ordinal, site in enumerate(innermost):
             site.ordinal = site.order = ordinal
         return innermost
@@ -436,6 +429,180 @@ class LiveSide(SideDefaults):
         return out, reached
 
 
+    # -- backward (blockdiff.backward): the side runs its model's backward, and a module's ---
+
+    def record_gradients(
+        self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True
+    ) -> "Gradients":
+        """The whole model run forward and backward on ``inputs`` (autograd on, in the mode
+        the diff holds it: eval), ``loss(output, inputs)`` its scalar: the gradient of every
+        site's primary output and of its hidden input — this call's own share, what flows
+        back through it alone — by (module path, call), and (``parameters``) of every
+        floating parameter, by name; without, the backward computes no weight gradient.
+        The parameters' ``.grad`` stay as they were (``torch.autograd.grad``); their
+        ``requires_grad`` flags are restored; the hooks (on the model: global state) are
+        removed on every path. A call that a recomputation makes during the backward
+        (activation checkpointing) records nothing: the forward's calls are the sites."""
+        model = self.module("")
+        found = Gradients()
+        calls: dict[str, int] = {}
+        over = [False]  # the forward finished: calls from here on are recomputations
+
+        heard: list[torch.Tensor] = []  # every tensor whose gradient is recorded
+
+        def keep(into: dict, key: tuple[str, int]) -> Callable[[torch.Tensor], None]:
+            def hook(grad: torch.Tensor) -> None:
+                into[key] = recorded_copy(grad)
+                return None
+
+            return hook
+
+        def pre(path: str) -> Callable:
+            options = self.layout.options(path)
+
+            def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+                if not over[0]:
+                    calls[path] = calls.get(path, -1) + 1
+                loc = hidden_location(args, kwargs, options.activations)
+                tensor = None if loc is None else (args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]])
+                if tensor is None or not tensor.requires_grad:
+                    return None
+                # A view of its own: its gradient is what flows back through this call alone.
+                # A recomputation gets one too (its saved tensors must be the forward's), unheard.
+                own = tensor.view_as(tensor)
+                if not over[0]:
+                    own.register_hook(keep(found.inputs, (path, calls[path])))
+                    heard.append(own)
+                return with_hidden(args, kwargs, {"primary": own}, options.activations)
+
+            return hook
+
+        def post(path: str) -> Callable:
+            def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+                out = primary_tensor(output)
+                if not over[0] and out is not None and out.requires_grad:
+                    out.register_hook(keep(found.outputs, (path, calls[path])))
+                    heard.append(out)
+                return None
+
+            return hook
+
+        modules = dict(model.named_modules())
+        params = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
+        seen: set[int] = set()
+        with Hooks() as hooks, _requiring_grad([p for _, p in params]), torch.inference_mode(False), torch.enable_grad():
+            for path in self.layout.site_of():
+                if id(modules[path]) in seen:  # one module at two paths: recorded under the first
+                    continue
+                seen.add(id(modules[path]))
+                hooks.before(modules[path], pre(path))
+                hooks.after(modules[path], post(path))
+            output = run_model(model, inputs)
+            over[0] = True
+            value = loss(output, inputs)
+            # Gradients of what the hooks hear (so that the backward reaches every site), and
+            # of the parameters when asked for (else no weight gradient is computed).
+            wanted = [p for _, p in params] if parameters else []
+            grads = torch.autograd.grad(value, [*wanted, *heard], allow_unused=True)[: len(wanted)]
+        found.loss = float(value.detach())
+        found.calls = dict(calls)
+        found.parameters = {
+            name: recorded_copy(g) if g is not None else torch.zeros(p.shape, dtype=p.dtype)
+            for (name, p), g in zip(params if parameters else [], grads)
+        }
+        return found
+
+    def backward_module(
+        self, path: str, call: Site, hidden: Hidden, grad: torch.Tensor, *,
+        replaced: dict[str, Callable[[Callable], Callable]] | None = None, parameters: bool = True,
+    ) -> tuple[Hidden, dict[str, torch.Tensor]]:
+        """The vector-Jacobian product of module ``path`` at ``call`` with its activations
+        replaced by ``hidden``, for the gradient ``grad`` of its primary output (cast to the
+        output's dtype): the gradient of each floating activation, by role (in the dtype of
+        ``hidden``), and, with ``parameters``, of each floating parameter of the module, by
+        name relative to it (zeros for one the output does not depend on). ``replaced``:
+        modules under ``path`` (relative paths) whose ``forward`` is ``make(original)`` for
+        this one run (undone when it ends)."""
+        module = self.module(path)
+        leaves = {role: t.detach().requires_grad_() for role, t in hidden.items() if t.is_floating_point()}
+        params = [(name, p) for name, p in module.named_parameters() if p.is_floating_point()] if parameters else []
+        with Hooks() as hooks, _requiring_grad([p for _, p in params]), torch.inference_mode(False), torch.enable_grad():
+            named = dict(module.named_modules())
+            for rel, make in (replaced or {}).items():
+                hooks.replace_forward(named[rel], make)
+            args, kwargs = self._replay(call, leaves)
+            out = primary_tensor(self.runnable(path, module)(*args, **kwargs))
+            if out is None or not out.requires_grad:
+                raise PairingError(f"{call.label}: the module returned no tensor that depends on its inputs or weights")
+            if out.numel() != grad.numel():
+                raise PairingError(
+                    f"{call.label}: the gradient of its output has shape {list(grad.shape)}, its output {list(out.shape)}"
+                )
+            seed = replayed_copy(grad, out.device, out.dtype).reshape(out.shape)
+            wrt = [*leaves.values(), *(p for _, p in params)]
+            grads = torch.autograd.grad(out, wrt, seed, allow_unused=True)
+        found = [g.detach() if g is not None else torch.zeros_like(t) for g, t in zip(grads, wrt)]
+        inputs = dict(zip(leaves, found[: len(leaves)]))
+        return inputs, {name: g.to("cpu") for (name, _), g in zip(params, found[len(leaves):])}
+
+    def child_gradients(
+        self, path: str, call: Site, hidden: Hidden, grad: torch.Tensor, *, depth: int = 2
+    ) -> list[tuple[Site, torch.Tensor | None, torch.Tensor | None]]:
+        """Module ``path``'s backward as :meth:`backward_module` runs it, with every call of
+        its innermost children (up to ``depth`` levels down) recorded, in the order they
+        started: the call (a site under the parent's stage, block and sub-path, as
+        :meth:`child_calls` records it), the gradient of its hidden input (that call's own
+        share) and of its primary output (``None`` where no gradient flows). The hooks are
+        added for this one run and removed in ``finally``."""
+        module = self.module(path)
+        children = {rel: child for rel, child in module.named_modules() if rel and rel.count(".") < depth}
+        recorded = _Children(path, call)
+        into: dict[int, torch.Tensor] = {}
+        out_of: dict[int, torch.Tensor] = {}
+
+        def keep(where: dict, at: int) -> Callable[[torch.Tensor], None]:
+            def hook(g: torch.Tensor) -> None:
+                where[at] = recorded_copy(g)
+                return None
+
+            return hook
+
+        def pre(rel: str) -> Callable:
+            def hook(child: nn.Module, args: tuple, kwargs: dict) -> Any:
+                site = recorded.opened(rel, args, kwargs)
+                loc = hidden_location(args, kwargs)
+                tensor = None if loc is None else (args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]])
+                if tensor is None or not tensor.requires_grad:
+                    return None
+                own = tensor.view_as(tensor)
+                own.register_hook(keep(into, site.order))
+                return with_hidden(args, kwargs, {"primary": own})
+
+            return hook
+
+        def post(rel: str) -> Callable:
+            def hook(child: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+                site = recorded.closed(rel, output)
+                out = primary_tensor(output)
+                if out is not None and out.requires_grad:
+                    out.register_hook(keep(out_of, site.order))
+                return None
+
+            return hook
+
+        leaves = {role: t.detach().requires_grad_() for role, t in hidden.items() if t.is_floating_point()}
+        params = [p for p in module.parameters() if p.is_floating_point()]
+        with Hooks() as hooks, _requiring_grad(params), torch.inference_mode(False), torch.enable_grad():
+            for rel, child in children.items():
+                hooks.before(child, pre(rel))
+                hooks.after(child, post(rel))
+            args, kwargs = self._replay(call, leaves)
+            out = primary_tensor(self.runnable(path, module)(*args, **kwargs))
+            if out is not None and out.requires_grad and out.numel() == grad.numel():
+                seed = replayed_copy(grad, out.device, out.dtype).reshape(out.shape)
+                torch.autograd.grad(out, [*leaves.values(), *params], seed, allow_unused=True)
+        return [(s, into.get(s.order), out_of.get(s.order)) for s in recorded.innermost()]
+
 class PrecisionSide(LiveSide):
     """A live side's code in another dtype and device: the modules it runs are one copy of
     the side's model, cast (the user's model is never changed), and every recorded floating
@@ -501,6 +668,37 @@ class PrecisionSide(LiveSide):
         )
 
 
+class _Children:
+    """The calls of a module's children during one run of it (a drill-down): one site per
+    call, in the order they started, under the parent's stage, block and sub-path."""
+
+    def __init__(self, path: str, call: Site) -> None:
+        self.path, self.call = path, call
+        self.found: list[Site] = []
+        self._open: dict[str, list[Site]] = {}
+        self._calls: dict[str, int] = {}
+
+    def opened(self, rel: str, args: tuple, kwargs: dict) -> Site:
+        call = self.call
+        site = Site(call.stage, call.block, call.subpath, f"{self.path}.{rel}", self._calls.get(rel, 0), len(self.found),
+                    snapshot(args), snapshot(kwargs), order=len(self.found))
+        self._calls[rel] = site.call + 1
+        self.found.append(site)
+        self._open.setdefault(rel, []).append(site)
+        return site
+
+    def closed(self, rel: str, output: Any) -> Site:
+        site = self._open[rel].pop()
+        site.output = snapshot(output)
+        return site
+
+    def innermost(self) -> list[Site]:
+        """The innermost modules that ran: a module whose own children ran is theirs to
+        judge (a quantized Linear keeps its weights in a child that is never called: it stays)."""
+        ran = {site.module for site in self.found}
+        return [s for s in self.found if not any(other.startswith(s.module + ".") for other in ran)]
+
+
 def cache_buffers(stepper: Any) -> tuple[str, ...]:
     """The buffers a step adapter says hold its model's cache (``cache_buffers``, keys
     first), ``()`` for a cache handed to the modules as an argument."""
@@ -526,4 +724,37 @@ def _replace_all(output: Any, recorded: Any, device: torch.device) -> Any:
     return for_replay(map_structure(recorded, cast), device=device)
 
 
-__all__ = ["LiveSide", "PrecisionSide", "cache_buffers", "eval_mode"]
+class Gradients:
+    """One side's free-running backward (:meth:`LiveSide.record_gradients`).
+
+    Attributes:
+        inputs: (module path, call) → the gradient of that call's hidden input: its own share.
+        outputs: (module path, call) → the gradient of that call's primary output.
+        parameters: parameter name (``named_parameters()``) → its whole gradient (zeros for
+            one the loss does not depend on).
+        loss: the loss's value.
+        calls: module path → how many times the forward called it.
+    """
+
+    def __init__(self) -> None:
+        self.inputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.parameters: dict[str, torch.Tensor] = {}
+        self.loss = float("nan")
+        self.calls: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def _requiring_grad(params: list[torch.Tensor]) -> Iterator[None]:
+    """Every tensor of ``params`` requiring grad for the body; each flag restored after."""
+    flags = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        yield
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
+
+
+__all__ = ["LiveSide", "PrecisionSide", "cache_buffers", "eval_mode", "Gradients"]

@@ -1,0 +1,582 @@
+"""Backward: localize the first divergent gradient, by the same freeze-three/swap-one rule.
+
+After the forward diff (``--backward``), both sides run forward and backward once on the
+same inputs and the same loss (next-token cross-entropy on the input ids unless a
+``--loss`` is given), in eval mode (dropout off), every floating parameter requiring grad
+(:meth:`~blockdiff.sides.live.LiveSide.record_gradients`). Each site's output gradient,
+its input gradient (the share that flows back through that call alone) and every
+parameter's gradient are recorded. Then, per site, in backward execution order (head to
+embedding; a block's modules last to first, then its residual):
+
+- **module** (attention, ffn, each norm, and the stages): the candidate's module run on the
+  reference's input and backward from the **reference's** output gradient; its input
+  gradient and each of its parameter gradients against the reference's;
+- **residual**: the candidate's block on the reference's input with every sub-path module
+  replaced by the reference's own module (forward and backward), backward from the
+  reference's block-output gradient; the block's input gradient against the reference's;
+- **block**: the candidate's block alone on the same (an ``unattributed`` divergence when no
+  sub-path explains it: recomputation that differs, a module the hook map misses);
+- **MoE parts**: an MoE ffn's router alone, and its experts with the reference's router in
+  place (forward and backward), judged apart;
+- **gradient drift**: the free-running candidate's input gradient against the reference's.
+
+Noise floors are the same experiments on the reference's own code at the candidate's
+precision (``side.in_precision``); drift floors its own free-running backward. The verdict
+is a report of its own (``Report.backward``) whose first divergence is the first in
+backward order. What the forward blames is not blamed again: the backward checks of a
+sub-path the forward blames say so (``explained_by``), and gradient drift, which a wrong
+forward causes everywhere, is not judged after a forward divergence. docs/backward.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .compare import Metrics, metrics, rel_l2
+from .errors import InputError, run_model_code
+from .experiments import aligned, same_call
+from .inputs import Inputs
+from .pairing import BlockPair, pair_block, pair_outside
+from .report import BlockResult, Check, Report, StageResult, SubpathResult
+from .sides import Side
+from .sides.precision import twins
+from .site import Site, for_replay, hidden_states, iter_tensors, map_structure, primary_tensor, replace_primary, with_hidden
+from .tolerance import Tolerance, working_dtype
+from .vocab import DRIFT, SUBPATHS, UNATTRIBUTED
+
+# A loss as blockdiff calls it: the model's output and the inputs it ran on → a scalar.
+Loss = Callable[[Any, Inputs], torch.Tensor]
+
+DEFAULT_LOSS = "next-token cross-entropy on the input ids"
+INPUT_GRADIENT = "input gradient"
+PARAMETER_GRADIENT = "parameter gradient: {}"
+GRADIENT_DRIFT = "gradient drift"
+EXPERTS_GRADIENT = "experts (routing frozen at the reference's): input gradient"
+
+
+def next_token_loss(output: Any, inputs: Inputs) -> torch.Tensor:
+    """The default loss: mean cross-entropy of the logits at each position against the next
+    input token (``logits[:, :-1]`` against ``ids[:, 1:]``), in float32.
+
+    Raises:
+        InputError: the output holds no ``[batch, tokens, vocab]`` logits, or the inputs no
+            token ids: give a loss (``--loss module:function``).
+    """
+    logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+    if logits is None and isinstance(output, (tuple, list)) and output:
+        logits = output[0]
+    ids = inputs if isinstance(inputs, torch.Tensor) else None
+    if isinstance(inputs, dict):
+        ids = inputs.get("input_ids")
+    elif isinstance(inputs, tuple) and inputs and isinstance(inputs[0], torch.Tensor):
+        ids = inputs[0]
+    if (
+        not isinstance(logits, torch.Tensor) or ids is None or ids.is_floating_point()
+        or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape) or ids.shape[1] < 2
+    ):
+        found = list(logits.shape) if isinstance(logits, torch.Tensor) else type(output).__name__
+        raise InputError(
+            f"--backward's default loss ({DEFAULT_LOSS}) needs token ids [batch, tokens >= 2] and logits "
+            f"[batch, tokens, vocab]; found logits {found}: give a loss with --loss module:function"
+        )
+    if int(ids.max()) >= logits.shape[-1]:
+        raise InputError(
+            f"--backward's default loss ({DEFAULT_LOSS}): the output's last dimension ({logits.shape[-1]}) is not a "
+            f"vocabulary holding the input ids (up to {int(ids.max())}): give a loss with --loss module:function"
+        )
+    ids = ids.to(logits.device)
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def load_loss(spec: str) -> Loss:
+    """The loss a ``--loss`` spec names: ``path/to/file.py:function`` or
+    ``package.module:function``, a callable ``function(output, inputs)`` returning a scalar.
+
+    Raises:
+        InputError: a malformed spec, or a file, module or function that is not there.
+    """
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name.isidentifier():
+        raise InputError(f"--loss {spec!r}: expected path/to/file.py:function or package.module:function")
+    try:
+        if target.endswith(".py") or "/" in target:
+            path = Path(target)
+            if not path.is_file():
+                raise InputError(f"--loss {spec!r}: no such file {target}")
+            found = importlib.util.spec_from_file_location(f"blockdiff_loss_{path.stem}", path)
+            assert found is not None and found.loader is not None
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"--loss {spec!r}: cannot load {target} ({type(exc).__name__}: {exc})") from None
+    loss = getattr(module, name, None)
+    if not callable(loss):
+        raise InputError(f"--loss {spec!r}: {target} has no function {name!r}")
+    return loss
+
+
+def resolve_loss(loss: str | Loss | None) -> tuple[Loss, str]:
+    """The loss to run and how the report names it."""
+    if loss is None:
+        return next_token_loss, DEFAULT_LOSS
+    if isinstance(loss, str):
+        return load_loss(loss), loss
+    return loss, getattr(loss, "__name__", type(loss).__name__)
+
+
+def judge(
+    ref: Side, cand: Side, inputs: Inputs, forward: Report, *, tolerance: Tolerance | None, loss: str | Loss | None
+) -> Report:
+    """The backward of two live sides localized: ``forward`` (their forward report) with its
+    :attr:`~blockdiff.report.Report.backward` set and a note on what ran.
+
+    Raises:
+        InputError: a side that cannot run its backward (a dump, an ONNX graph).
+    """
+    for side in (ref, cand):
+        if not hasattr(side, "record_gradients"):
+            raise InputError(
+                f"the {side.name} cannot run a backward: --backward needs live PyTorch models on both sides"
+            )
+    run, named = resolve_loss(loss)
+    resolved = (tolerance or Tolerance()).resolved(same_dtype=ref.dtype == cand.dtype, same_device=ref.device == cand.device)
+    experiments = BackwardExperiments(ref, cand, inputs, resolved, run)
+    back = experiments.report(forward, named)
+    forward.backward = back
+    forward.notes.append(back.notes[0])
+    return forward
+
+
+class BackwardExperiments:
+    """The backward experiments of one diff, and how they are judged.
+
+    Args:
+        ref, cand: the two sides, recorded (their forward stores hold the calls replayed).
+        inputs, loss: what both sides run forward and backward on.
+        tolerance: the resolved policy; a calibrated one measures every floor on the
+            reference's own code at the candidate's precision.
+    """
+
+    def __init__(self, ref: Side, cand: Side, inputs: Inputs, tolerance: Tolerance, loss: Loss) -> None:
+        self.ref, self.cand, self.tolerance = ref, cand, tolerance
+        self.dtype = working_dtype(ref.dtype, cand.dtype)
+        self.notes: list[str] = []
+        floor = ref.in_precision(self.dtype, cand.device) if tolerance.calibrated else None
+        self.ref_g = run_model_code("reference", ref.record_gradients, inputs, loss)  # type: ignore[attr-defined]
+        self.cand_g = run_model_code("candidate", cand.record_gradients, inputs, loss, parameters=False)  # type: ignore[attr-defined]
+        # The floor side: the reference's code at the candidate's precision. When the
+        # candidate is that very code (the reference's own cast: same classes, settings and
+        # weights), its free run is the floor's (the same inputs, the same computation).
+        self.floor = floor
+        self.twin = floor is not None and floor.runs_as(cand)
+        self.floor_g = None
+        if floor is not None:
+            self.floor_g = self.cand_g if self.twin else run_model_code(
+                "reference", floor.record_gradients, inputs, loss, parameters=False  # type: ignore[attr-defined]
+            )
+        self._twins: dict[tuple[str, str], bool] = {}
+        self._exclusive = self._exclusive_parameters()
+
+    def _exclusive_parameters(self) -> dict[int, str]:
+        """The reference's parameters that one site's one call alone uses (id → name): their
+        whole gradient is that call's. Another (a tied embedding and head, a module called
+        twice) gets its expected gradient from the reference's own module's backward."""
+        model = self.ref.module("")  # type: ignore[attr-defined]
+        names = {id(p): name for name, p in model.named_parameters()}
+        owners: dict[int, list[str]] = {}
+        layout = self.ref.layout
+        paths = [path for _, path in layout.outside] + [p for b in layout.blocks for ps in b.subpaths.values() for p in ps]
+        for path in dict.fromkeys(paths):
+            for p in model.get_submodule(path).parameters():
+                owners.setdefault(id(p), []).append(path)
+        calls = self.ref_g.calls
+        return {
+            pid: names[pid] for pid, found in owners.items()
+            if len(found) == 1 and calls.get(found[0], 0) <= 1 and pid in names
+        }
+
+    # -- judging -------------------------------------------------------------------------
+
+    def check(
+        self, target: str, what: str, module: str, expected: torch.Tensor, got: torch.Tensor, floor: torch.Tensor | None
+    ) -> Check:
+        """``got`` against ``expected``, judged with the floor ``floor`` holds (the same
+        gradient from the reference's code at the candidate's precision; ``got`` itself when
+        the candidate is that code)."""
+        got = aligned(module, what, expected, got)
+        measured = metrics(expected, got, dtype=self.dtype)
+        value = None
+        if floor is not None:
+            value = measured.rel_l2 if floor is got else rel_l2(expected, aligned(module, what, expected, floor))
+        return Check(what, module, measured, self.tolerance.threshold(target, self.dtype, value))
+
+    def _floor_run(self, r: Site, c: Site, got: Any, measure: Callable[[Side], Any]) -> Any:
+        """What the floor side gives for the experiment on the reference's call ``r`` whose
+        candidate run on ``c`` gave ``got``: ``measure(floor side)``, or ``got`` itself when
+        that run is the floor's (:meth:`same_experiment`); ``None`` without floors."""
+        if self.floor is None:
+            return None
+        return got if self.same_experiment(r, c) else measure(self.floor)
+
+    def same_experiment(self, r: Site, c: Site) -> bool:
+        """Whether the floor's experiment on ``r`` is the candidate's on ``c``: ``c``'s module
+        is the floor's module's twin (same classes, settings and weights at the candidate's
+        precision: :func:`~blockdiff.sides.precision.twins`) and ``c``'s call, its
+        activations set aside (both get the reference's), is ``r``'s cast to that precision,
+        bit for bit. Then each number of the floor is the candidate's."""
+        assert self.floor is not None
+        key = (r.module, c.module)
+        if key not in self._twins:
+            self._twins[key] = twins(self.floor.module(r.module), self.cand.module(c.module))  # type: ignore[attr-defined]
+        if not self._twins[key]:
+            return False
+        dtype = self.floor.dtype
+        hidden = {role: t.to(dtype) if t.is_floating_point() else t for role, t in r.hidden_inputs().items()}
+        args, kwargs = with_hidden(c.args, c.kwargs, hidden, c.activations)
+        return same_call(r, replace(c, args=args, kwargs=kwargs), dtype)
+
+    # -- one module ----------------------------------------------------------------------
+
+    def module_checks(self, target: str, r: Site, c: Site) -> list[Check]:
+        """The candidate's module backward from the reference's output gradient, on the
+        reference's input: its input gradient and each parameter gradient judged (no check
+        for a module no gradient reaches)."""
+        grad = self.ref_g.outputs.get((r.module, r.call))
+        if grad is None:
+            return []
+        hidden = r.hidden_inputs()
+        got_in, got_params = self.cand.backward_module(c.module, c, hidden, grad)  # type: ignore[attr-defined]
+        floor = self._floor_run(r, c, (got_in, got_params), lambda side: side.backward_module(r.module, r, hidden, grad))
+        floor_in, floor_params = floor if floor is not None else ({}, {})
+        checks = []
+        expected_in = self.ref_g.inputs.get((r.module, r.call))
+        if expected_in is not None and "primary" in got_in:
+            checks.append(self.check(target, INPUT_GRADIENT, c.module, expected_in, got_in["primary"], floor_in.get("primary")))
+        for name, expected in self.expected_parameters(r, hidden, grad).items():
+            if name not in got_params:  # a parameter only the reference's module has
+                continue
+            checks.append(
+                self.check(target, PARAMETER_GRADIENT.format(name), c.module, expected, got_params[name], floor_params.get(name))
+            )
+        worst = max(checks, key=lambda k: (k.diverged, k.ratio), default=None)
+        if worst is not None and worst.diverged:
+            worst.children = self.children_checks(target, r, c, hidden, grad)
+        return checks
+
+    def children_checks(self, target: str, r: Site, c: Site, hidden: dict[str, torch.Tensor], grad: torch.Tensor) -> list[Check]:
+        """Drill-down: each innermost child the reference's module calls, its backward judged
+        as a module's is — the candidate's child on the reference child's input, backward
+        from the reference child's output gradient — on its input gradient, in the order
+        they ran. Children pair by their path below the module and their call count."""
+        found = self.ref.child_gradients(r.module, r, hidden, grad)  # type: ignore[attr-defined]
+        with torch.no_grad():
+            own = {(s.module[len(c.module) + 1:], s.call): s for s in self.cand.child_calls(c.module, c, hidden)}
+        checks = []
+        for rc, expected, out_grad in found:
+            rel = rc.module[len(r.module) + 1:]
+            cc, child_hidden = own.get((rel, rc.call)), rc.hidden_inputs()
+            if cc is None or expected is None or out_grad is None or "primary" not in child_hidden:
+                continue
+            got = self.cand.backward_module(cc.module, cc, child_hidden, out_grad, parameters=False)[0]  # type: ignore[attr-defined]
+            floor = self._floor_run(
+                rc, cc, got,
+                lambda side, rc=rc, h=child_hidden, g=out_grad: side.backward_module(rc.module, rc, h, g, parameters=False)[0],
+            )
+            if "primary" in got:
+                what = f"child {rel}" + (f" #{rc.call}" if rc.call else "")
+                checks.append(self.check(target, what, cc.module, expected, got["primary"], None if floor is None else floor.get("primary")))
+        return checks
+
+    def moe_checks(self, r: Site, c: Site, router_r: Site, router_c: Site) -> list[Check]:
+        """An MoE ffn's router and experts judged apart: the candidate's router alone,
+        backward from the reference router's output gradient on its input (``router: …``);
+        the candidate's MoE with its router replaced by the reference's (forward and
+        backward), backward from the reference's ffn output gradient, on its input gradient
+        (``experts …``: the experts and the MoE's own code, routing fixed at the reference's)."""
+        checks = self.module_checks("ffn", router_r, router_c)
+        for check in checks:
+            check.what = f"router: {check.what}"
+        grad = self.ref_g.outputs.get((r.module, r.call))
+        expected = self.ref_g.inputs.get((r.module, r.call))
+        if grad is None or expected is None:
+            return checks
+        hidden = r.hidden_inputs()
+        replaced = self.by_reference(self.cand, c.module, [(router_r, router_c)])
+        got = self.cand.backward_module(c.module, c, hidden, grad, replaced=replaced, parameters=False)[0]  # type: ignore[attr-defined]
+
+        def measure(side: Side) -> Any:
+            own = self.by_reference(side, r.module, [(router_r, router_r)])
+            return side.backward_module(r.module, r, hidden, grad, replaced=own, parameters=False)[0]  # type: ignore[attr-defined]
+
+        floor = self._floor_run(r, c, got, measure)
+        if "primary" in got:
+            checks.append(self.check(
+                "ffn", EXPERTS_GRADIENT, c.module, expected, got["primary"], None if floor is None else floor.get("primary")
+            ))
+        return checks
+
+    def expected_parameters(self, r: Site, hidden: dict[str, torch.Tensor], grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The reference's gradient of each floating parameter of ``r``'s module, by name
+        relative to it: from its whole backward where that call alone uses the parameter,
+        else from its own module's backward at that call."""
+        module = self.ref.module(r.module)  # type: ignore[attr-defined]
+        own = [(name, p) for name, p in module.named_parameters() if p.is_floating_point()]
+        if all(id(p) in self._exclusive for _, p in own):
+            return {name: self.ref_g.parameters[self._exclusive[id(p)]] for name, p in own}
+        return self.ref.backward_module(r.module, r, hidden, grad)[1]  # type: ignore[attr-defined]
+
+    # -- one block -----------------------------------------------------------------------
+
+    def block_check(self, pair: BlockPair, *, residual: bool) -> Check | None:
+        """The candidate's block backward from the reference's block-output gradient, on the
+        reference's block input: with every sub-path module replaced by the reference's own
+        (``residual``: its glue judged), or alone (the whole block); its input gradient
+        judged."""
+        rb, cb = pair.ref_block, pair.cand_block
+        grad = self.ref_g.outputs.get((rb.module, rb.call))
+        expected = self.ref_g.inputs.get((rb.module, rb.call))
+        if grad is None or expected is None:
+            return None
+        hidden = rb.hidden_inputs()
+        replaced = self.by_reference(self.cand, cb.module, [(s, pair.cand[k]) for k, s in pair.ref.items()]) if residual else None
+        got = self.cand.backward_module(cb.module, cb, hidden, grad, replaced=replaced, parameters=False)[0]  # type: ignore[attr-defined]
+
+        def measure(side: Side) -> Any:
+            own = self.by_reference(side, rb.module, [(s, s) for s in pair.ref.values()]) if residual else None
+            return side.backward_module(rb.module, rb, hidden, grad, replaced=own, parameters=False)[0]  # type: ignore[attr-defined]
+
+        floor = self._floor_run(rb, cb, got, measure)
+        if "primary" not in got:
+            return None
+        target = "residual" if residual else "block"
+        return self.check(target, INPUT_GRADIENT, cb.module, expected, got["primary"], None if floor is None else floor["primary"])
+
+    def by_reference(self, side: Side, block: str, sites: list[tuple[Site, Site]]) -> dict[str, Callable[[Callable], Callable]]:
+        """For a backward of ``side``'s block ``block``: each of its sub-path modules
+        answering with the reference's own module (forward and backward) run on what reached
+        it, with the reference's other arguments of that call. ``sites``: (reference site,
+        ``side``'s site of that call, whose output gives the structure and dtypes).
+
+        Under the calibrated policy the reference's module runs at the candidate's precision
+        (the floor side's copy), in the candidate's residual experiment and in its floor
+        alike: the modules' own rounding is then the same in both, and what differs is the
+        glue's, which is what the residual judges."""
+        by_module: dict[str, dict[int, tuple[Site, Site]]] = {}
+        for r, own in sites:
+            by_module.setdefault(own.module, {})[own.call] = (r, own)
+        device, cast = side.device, getattr(side, "cast", None)
+        ref = self.floor if self.floor is not None else self.ref
+
+        def make(path: str, calls: dict[int, tuple[Site, Site]]) -> Callable[[Callable], Callable]:
+            names = side.layout.options(path).activations
+
+            def wrapped(original: Callable) -> Callable:
+                # Calls counted apart in the forward and in each recomputation (activation
+                # checkpointing reruns the block's code inside the backward).
+                count: dict[int, int] = {}
+
+                def forward(*args: Any, **kwargs: Any) -> Any:
+                    task = torch._C._current_graph_task_id()
+                    call = count[task] = count.get(task, -1) + 1
+                    if call not in calls:  # not a site (the map's `calls`): its own code
+                        return original(*args, **kwargs)
+                    r, own = calls[call]
+                    reached = hidden_states(args, kwargs, names).get("primary")
+                    answer = ref.call_module(r.module, r, None if reached is None else {"primary": reached})
+                    template = for_replay(own.output, device=device, dtype=cast)
+                    if r.subpath == "router":  # the whole routing decision: logits, weights, indices
+                        return _like(answer, template)
+                    out, like = primary_tensor(answer), primary_tensor(template)
+                    if out is None or like is None:
+                        return original(*args, **kwargs)
+                    return replace_primary(template, out.to(device=like.device, dtype=like.dtype).reshape(like.shape))
+
+                return forward
+
+            return wrapped
+
+        return {path[len(block) + 1:]: make(path, calls) for path, calls in by_module.items()}
+
+    def drift(self, r: Site, c: Site, *, judged: bool) -> tuple[Metrics | None, Check | None]:
+        """The free-running candidate's input gradient at a site against the reference's
+        (its output gradient for a site that takes none: the embedding), and, when
+        ``judged``, that drift against the reference's own free run at the candidate's
+        precision (or the fixed drift threshold)."""
+        which = "inputs" if (r.module, r.call) in self.ref_g.inputs else "outputs"
+        expected = getattr(self.ref_g, which).get((r.module, r.call))
+        got = getattr(self.cand_g, which).get((c.module, c.call))
+        if expected is None or got is None:
+            return None, None
+        got = aligned(c.module, GRADIENT_DRIFT, expected, got)
+        measured = metrics(expected, got, dtype=self.dtype)
+        if not judged:
+            return measured, None
+        floor = None
+        if self.floor_g is not None:
+            own = getattr(self.floor_g, which).get((c.module, c.call) if self.twin else (r.module, r.call))
+            floor = None if own is None else (measured.rel_l2 if self.twin else rel_l2(expected, aligned(c.module, GRADIENT_DRIFT, expected, own)))
+        return measured, Check(GRADIENT_DRIFT, c.module, measured, self.tolerance.threshold(DRIFT, self.dtype, floor))
+
+    # -- the report ----------------------------------------------------------------------
+
+    def report(self, forward: Report, loss: str) -> Report:
+        """The backward report: every stage and block with its backward checks, in backward
+        execution order (:attr:`~blockdiff.report.StageResult.order` and the rest count from
+        the head), what the forward blames marked as explained by it."""
+        ref, cand = self.ref, self.cand
+        first = forward.first_divergence
+        judged = first is None  # a wrong forward makes every gradient downstream differ
+        notes = [
+            f"backward: both sides ran forward and backward on the same inputs, loss: {loss}, in eval mode (dropout "
+            "off), every floating parameter requiring grad; gradients are judged from the head to the embedding "
+            f"(reference loss {self.ref_g.loss:.6g}, candidate {self.cand_g.loss:.6g})"
+        ]
+        if not judged:
+            notes.append(
+                f"backward: the forward diverges first ({first.where}): gradient drift is not judged (a wrong forward "
+                "makes every gradient downstream differ), and the backward checks of what the forward blames are "
+                "reported as explained by it"
+            )
+        # Every stage and block by where it ran in the forward; the backward runs them in reverse.
+        pairs = pair_outside(ref.store, cand.store, ref.layout, cand.layout, notes)
+        stages = [self.stage(r, c, judged=judged) for r, c in pairs]
+        blocks = [self.block(pair_block(ref.store, cand.store, i, ref.layout, cand.layout), judged=judged)
+                  for i in ref.store.block_indices()]
+        _backward_order(stages, blocks, {id(s): r.order for s, (r, _) in zip(stages, pairs)})
+        back = Report(
+            reference=dict(forward.reference), candidate=dict(forward.candidate),
+            inputs={**forward.inputs, "loss": loss}, tolerance=dict(forward.tolerance),
+            stages=[s for s in stages if s.local is not None or s.drift is not None], blocks=blocks,
+            notes=notes + self.notes, created=forward.created, version=forward.version,
+        )
+        _explained(back, forward)
+        for divergence in back.divergences:
+            if divergence.subpath == UNATTRIBUTED:
+                back.notes.append(
+                    f"{divergence.where}: the block's backward differs while each sub-path module alone, and its glue "
+                    "with the reference's own modules, are right: what runs differs when the block runs whole — a "
+                    "recomputation that differs from the forward (activation checkpointing), or a module the hook "
+                    "map misses (`blockdiff arch`)"
+                )
+        return back
+
+    def stage(self, r: Site, c: Site, *, judged: bool) -> StageResult:
+        """A stage outside the blocks (embedding, final norm, head): its module's backward
+        checks, the worst as its ``local`` (every one under ``details``), and its drift."""
+        checks = self.module_checks(r.stage, r, c)
+        drift, drift_check = self.drift(r, c, judged=judged)
+        worst = max(checks, key=lambda k: (k.diverged, k.ratio), default=None)
+        if worst is not None and len(checks) > 1:
+            worst.details = {"checks": [k.to_dict() for k in checks]}
+        return StageResult(r.stage, c.module, worst, drift, drift_check=drift_check)
+
+    def block(self, pair: BlockPair, *, judged: bool) -> BlockResult:
+        """One block: each sub-path module's backward checks (an MoE ffn's router and
+        experts apart too), the residual, the whole block and the drift of its input
+        gradient."""
+        subpaths: dict[str, SubpathResult] = {}
+        # Backward order inside the block: its modules last to first (checks numbered below).
+        for r, c in sorted(pair.sites(), key=lambda rc: -rc[0].order):
+            result = subpaths.setdefault(r.subpath or "", SubpathResult("checked"))
+            router = pair.router_of(r)
+            for check in self.module_checks(r.subpath or "", r, c) + ([] if router is None else self.moe_checks(r, c, *router)):
+                check.order = r.order
+                result.checks.append(check)
+        residual = SubpathResult("checked")
+        whole = None
+        if pair.ref_layout is not None and pair.cand_layout is not None:
+            found = self.block_check(pair, residual=True)
+            residual.checks = [found] if found is not None else []
+            whole = self.block_check(pair, residual=False)
+        subpaths["residual"] = residual
+        drift, drift_check = self.drift(pair.ref_block, pair.cand_block, judged=judged)
+        layout = pair.cand_layout
+        return BlockResult(
+            index=pair.index, module=pair.cand_block.module, stack=layout.stack if layout else "",
+            subpaths={name: subpaths[name] for name in SUBPATHS if name in subpaths}, block=whole, drift=drift,
+            order=pair.ref_block.order, unmapped=list(layout.unmapped) if layout else [], drift_check=drift_check,
+        )
+
+
+def _like(answer: Any, template: Any) -> Any:
+    """``answer``'s tensors, in order, each moved and cast like the tensor of ``template``
+    in its place (gradients flow through the casts), in ``answer``'s structure."""
+    own = iter(list(iter_tensors(template)))
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        like = next(own, None)
+        if like is None:
+            return t
+        dtype = like.dtype if t.is_floating_point() and like.is_floating_point() else t.dtype
+        return t.to(device=like.device, dtype=dtype)
+
+    return map_structure(answer, cast)
+
+
+def _backward_order(stages: list[StageResult], blocks: list[BlockResult], stage_orders: dict[int, int]) -> None:
+    """Number every stage, block, sub-path and check in backward execution order: the
+    reverse of the forward's (the head first), inside a block its modules last to first and
+    its residual (the block input's gradient) after them."""
+    items: list[tuple[int, StageResult | BlockResult]] = [(stage_orders[id(s)], s) for s in stages]
+    items += [(int(b.order), b) for b in blocks]
+    position = 0.0
+    for _, item in sorted(items, key=lambda pair: -pair[0]):
+        position += 1
+        item.order = position
+        if isinstance(item, StageResult):
+            if item.local is not None:
+                item.local.order = position
+            continue
+        # Module checks carry their site's forward order: the latest-started runs first.
+        forward_orders = sorted({c.order for r in item.subpaths.values() for c in r.checks if c.order is not None}, reverse=True)
+        at = {order: position + rank + 1 for rank, order in enumerate(forward_orders)}
+        for name, result in item.subpaths.items():
+            if name == "residual":
+                continue
+            for check in result.checks:
+                check.order = at.get(check.order, position)
+            result.order = min((c.order for c in result.checks if c.order is not None), default=position + 0.5)
+        residual = item.subpaths.get("residual")
+        position += len(forward_orders) + 1
+        if residual is not None:
+            residual.order = position
+            for check in residual.checks:
+                check.order = position
+
+
+def _explained(back: Report, forward: Report) -> None:
+    """Mark the backward checks of what the forward blames as explained by it: the module
+    computes something else, so its backward differs too; blamed once, on the forward."""
+    for divergence in forward.divergences:
+        if divergence.subpath == DRIFT:
+            continue
+        label = f"forward {divergence.where}"
+        if divergence.stage != "block":
+            for stage in back.stages:
+                if stage.stage == divergence.stage and stage.module == divergence.module:
+                    stage.explained_by = label
+            continue
+        block = next((b for b in back.blocks if b.index == divergence.block and b.stack == divergence.stack), None)
+        if block is None:
+            continue
+        if divergence.subpath == UNATTRIBUTED:
+            block.explained_by = label
+            name = "residual"
+        else:
+            name = divergence.subpath or ""
+        if name in block.subpaths:
+            block.subpaths[name].explained_by = label
+
+
+__all__ = ["DEFAULT_LOSS", "BackwardExperiments", "Loss", "judge", "load_loss", "next_token_loss", "resolve_loss"]

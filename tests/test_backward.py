@@ -1,0 +1,233 @@
+"""Backward: both sides run forward and backward on the same loss, and the first divergent
+gradient is blamed on its block, sub-path and gradient, by the freeze-three/swap-one rule,
+apart from the forward's verdict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from blockdiff import DivergenceError, InputError, Options, Report, assert_no_divergence, run  # noqa: E402
+from samples import backward_bugs, bugs, hf_llama, tinylm  # noqa: E402
+
+from tests.conftest import run_cli, sample_ids  # noqa: E402
+
+IDS = sample_ids()
+
+
+def blamed(report: Report) -> tuple | None:
+    """(block, sub-path, what) of the backward's first divergence, or None."""
+    first = report.backward.first_divergence
+    return None if first is None else (first.block, first.subpath, first.check.what)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bug", backward_bugs.BUGS)
+def test_a_backward_bug_is_blamed_on_its_block_subpath_and_gradient_through_the_cli(bug, dtype, tmp_path, capsys):
+    reference, block, subpath, what = backward_bugs.BUGS[bug]
+    code, out, err = run_cli(
+        ["diff", reference, f"samples/backward_bugs.py:{bug}", "--backward", "--cand-dtype", dtype,
+         "--json", str(tmp_path / "r.json")],
+        capsys,
+    )
+    assert code == 1, err
+    report = Report.from_dict(json.loads((tmp_path / "r.json").read_text()))
+    assert report.first_divergence is None  # the forward is right
+    assert blamed(report) == (block, subpath, what)
+    assert f"forward: no divergence; backward: block {block} {subpath} ({what})" in " ".join(out.split())
+    first = report.backward.first_divergence
+    if dtype == "bfloat16":  # judged against the reference's own backward in bfloat16
+        assert first.check.threshold.basis == "calibrated"
+    if bug == "fused_norm_weight_grad":  # the norm's input gradient is right: only its weight's is not
+        norm = report.backward.blocks[block].subpaths["norm"]
+        assert first.module == "model.layers.1.post_attention_layernorm"
+        assert [c.what for c in norm.checks if c.diverged] == ["parameter gradient: weight"]
+    if bug in ("swiglu_backward_swapped", "moe_router_detached"):
+        # Drilled down: every child's backward is right on its own gradients (the SwiGLU
+        # function and the MoE's detach are the module's own code), and the drill says so.
+        assert first.check.children and first.check.first_child is None
+        assert "the cause is in" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    "reference, candidate",
+    [
+        (tinylm.build, lambda: tinylm.build().to(torch.bfloat16)),
+        (hf_llama.build, lambda: hf_llama.build().to(torch.bfloat16)),
+        (tinylm.build_moe, lambda: tinylm.build_moe().to(torch.bfloat16)),
+        (tinylm.build, backward_bugs.checkpointed),
+        (tinylm.build, lambda: backward_bugs.checkpointed().to(torch.bfloat16)),
+    ],
+    ids=["tinylm-bf16", "hf-llama-bf16", "moe-bf16", "checkpointed", "checkpointed-bf16"],
+)
+def test_clean_backwards_blame_nothing(reference, candidate):
+    report = run(reference(), candidate(), IDS, options=Options(backward=True))
+    assert report.verdict() == "forward: no divergence; backward: no divergence"
+    assert not report.diverged
+    back = report.backward
+    # Every block was judged: its modules' gradients, its residual, the whole block, its drift.
+    for block in back.blocks:
+        assert {name for name, result in block.subpaths.items() if result.checks} == {"attention", "ffn", "norm", "residual"}
+        assert block.block is not None and block.drift_check is not None
+    if report.tolerance["policy"] == "calibrated":
+        assert all(c.threshold.basis == "calibrated" for r in back.blocks[1].subpaths.values() for c in r.checks)
+    if reference is tinylm.build_moe:  # an MoE ffn's router and experts are judged apart too
+        whats = {c.what for c in back.blocks[1].subpaths["ffn"].checks}
+        assert {*ROUTER, EXPERTS} <= whats
+    assert any("eval mode (dropout off)" in note for note in report.notes)
+
+
+def test_gradients_are_judged_from_the_head_to_the_embedding():
+    """Two residual bugs: the later block's backward runs first, so it is the first divergence."""
+    model = tinylm.build()
+    for index in (1, 3):
+        model.blocks[index].__class__ = backward_bugs.ResidualDetached
+    report = run(tinylm.build(), model, IDS, options=Options(backward=True))
+    back = report.backward
+    assert [(d.block, d.subpath) for d in back.divergences] == [(3, "residual"), (1, "residual")]
+    assert [s.stage for s in sorted(back.stages, key=lambda s: s.order)] == ["head", "final_norm", "embed"]
+    assert [b.index for b in sorted(back.blocks, key=lambda b: b.order)] == [3, 2, 1, 0]
+    # Inside a block: the ffn's backward before the attention's, the residual last.
+    block = back.blocks[3].subpaths
+    assert block["ffn"].order < block["attention"].order < block["residual"].order
+
+
+def test_a_forward_bug_is_not_blamed_again_by_the_backward():
+    report = run(tinylm.build(), bugs.gelu_for_silu(block=2), IDS, options=Options(backward=True))
+    assert (report.first_divergence.block, report.first_divergence.subpath) == (2, "ffn")
+    back = report.backward
+    ffn = back.blocks[2].subpaths["ffn"]
+    assert ffn.diverged and ffn.explained_by == "forward block 2 ffn"  # its gradients differ, as its forward does
+    assert back.first_divergence is None
+    assert all(b.drift_check is None for b in back.blocks)  # drift of gradients is not judged after it
+    assert report.verdict().startswith("forward: block 2 ffn (blocks.2.ffn): rel_l2") and report.verdict().endswith(
+        "; backward: no divergence"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bug", ["head_untied_transposed", "post_norm", "residual_dropped", "norm_as_layernorm"])
+def test_forward_bugs_of_every_kind_are_blamed_once(bug, dtype):
+    report = run(tinylm.build(), getattr(bugs, bug)().to(dtype), IDS, options=Options(backward=True))
+    first = report.first_divergence
+    assert (first.stage, first.subpath) == bugs.BUGS[bug]
+    assert report.backward.first_divergence is None
+    back = report.backward
+    if first.stage == "block":
+        explained = {name: r.explained_by for name, r in back.blocks[first.block].subpaths.items() if r.explained_by}
+        assert explained == {first.subpath: f"forward {first.where}"}
+    else:
+        assert [(s.stage, s.explained_by) for s in back.stages if s.explained_by] == [(first.stage, f"forward {first.where}")]
+
+
+def test_a_backward_bug_beside_a_forward_bug_is_still_blamed():
+    model = bugs.gelu_for_silu(block=1)
+    model.blocks[3].__class__ = backward_bugs.ResidualDetached
+    report = run(tinylm.build(), model, IDS, options=Options(backward=True))
+    assert (report.first_divergence.block, report.first_divergence.subpath) == (1, "ffn")
+    assert blamed(report) == (3, "residual", "input gradient")
+
+
+def test_the_backward_report_round_trips_and_reports_without_one_still_read(tmp_path):
+    report = run(tinylm.build(), backward_bugs.residual_detached(), IDS, options=Options(backward=True))
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["schema"] == "blockdiff.report/2" and data["first_divergence"] is None
+    assert data["backward"]["first_divergence"]["subpath"] == "residual"
+    back = Report.from_dict(data)
+    assert back.to_dict() == data
+    assert back.verdict() == report.verdict() and back.diverged
+    assert [b.index for b in sorted(back.backward.blocks, key=lambda b: b.order)] == [3, 2, 1, 0]
+    plain = run(tinylm.build(), tinylm.build(), IDS).to_dict()
+    assert "backward" not in plain and Report.from_dict(plain).backward is None
+    plain["schema"] = "blockdiff.report/1"
+    assert Report.from_dict(plain).verdict() == "no divergence"
+
+
+def test_the_assertion_judges_the_backward():
+    assert_no_divergence(tinylm.build(), tinylm.build().to(torch.bfloat16), IDS, backward=True)
+    with pytest.raises(DivergenceError, match=r"^forward: no divergence; backward: block 1 residual \(input gradient\)"):
+        assert_no_divergence(tinylm.build(), backward_bugs.residual_detached(), IDS, backward=True)
+    # Without backward=True the same candidate passes: its forward is right.
+    assert_no_divergence(tinylm.build(), backward_bugs.residual_detached(), IDS)
+
+
+def test_a_loss_of_ones_own(tmp_path, capsys):
+    (tmp_path / "losses.py").write_text(
+        "def last_position(output, inputs):\n    return output[:, -1].float().pow(2).mean()\n", encoding="utf-8"
+    )
+    code, out, err = run_cli(
+        ["diff", "samples/tinylm.py:build", "samples/backward_bugs.py:residual_detached", "--backward",
+         "--loss", f"{tmp_path / 'losses.py'}:last_position", "-q"],
+        capsys,
+    )
+    assert code == 1, err
+    assert out.startswith("forward: no divergence; backward: block 1 residual (input gradient)")
+    code, out, err = run_cli(
+        ["diff", "samples/tinylm.py:build", "--backward", "--loss", f"{tmp_path / 'losses.py'}:nothing"], capsys
+    )
+    assert code == 2 and "has no function 'nothing'" in err
+
+
+def test_backward_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(InputError, match="not with --stream"):
+        run(tinylm.build(), tinylm.build(), IDS, options=Options(backward=True, stream=True))
+    with pytest.raises(InputError, match="not with a dump, nor with --decode"):
+        run(hf_llama.build(), hf_llama.build(), IDS, options=Options(backward=True, decode=2))
+    with pytest.raises(InputError, match="token ids"):
+        run(tinylm.build(), tinylm.build(), IDS[:, :1], options=Options(backward=True))
+
+
+def test_the_users_models_are_left_as_they_were():
+    reference, candidate = tinylm.build(), backward_bugs.residual_detached()
+    candidate.blocks[0].attn.q_proj.weight.requires_grad_(False)
+    flags = [p.requires_grad for p in candidate.parameters()]
+    run(reference, candidate, IDS, options=Options(backward=True))
+    assert [p.requires_grad for p in candidate.parameters()] == flags
+    assert all(p.grad is None for model in (reference, candidate) for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in candidate.modules())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_drill_down_names_the_child_whose_backward_is_wrong(dtype):
+    report = run(hf_llama.build(), backward_bugs.silu_backward_wrong().to(dtype), IDS, options=Options(backward=True))
+    assert report.first_divergence is None
+    first = report.backward.first_divergence
+    assert (first.block, first.subpath) == (1, "ffn")
+    # The projections before it and after it are right on their own gradients.
+    assert first.check.first_child.module == "model.layers.1.mlp.act_fn"
+    assert [c.what for c in first.check.children if c.diverged] == ["child act_fn"]
+
+
+def test_a_compiled_candidates_backward_is_judged():
+    """A torch.compile'd candidate (its experiments run its compiled modules): the detached
+    residual is blamed, the forward clean."""
+    bug = run(tinylm.build(), torch.compile(backward_bugs.residual_detached(), backend="aot_eager"), IDS,
+              options=Options(backward=True))
+    assert bug.first_divergence is None and blamed(bug) == (1, "residual", "input gradient")
+    clean_blocks = [b for b in bug.backward.blocks if b.index != 1]
+    assert not any(r.diverged for b in clean_blocks for r in b.subpaths.values())
+
+
+ROUTER = ("router: input gradient", "router: parameter gradient: weight")
+EXPERTS = "experts (routing frozen at the reference's): input gradient"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bug, router_wrong", [("moe_router_weight_grad_halved", True), ("moe_router_detached", False)])
+def test_an_moe_ffn_backward_is_judged_as_router_and_experts_apart(bug, router_wrong, dtype):
+    """The router alone (backward from the reference router's output gradient) and the
+    experts with the reference's router in place: a wrong router backward is the router's;
+    a detach in the MoE's own code leaves the router alone right."""
+    report = run(tinylm.build_moe(), getattr(backward_bugs, bug)().to(dtype), IDS, options=Options(backward=True))
+    assert report.first_divergence is None
+    first = report.backward.first_divergence
+    assert (first.block, first.subpath) == (1, "ffn")
+    checks = {c.what: c for c in report.backward.blocks[1].subpaths["ffn"].checks}
+    assert checks[ROUTER[1]].diverged is router_wrong and not checks[ROUTER[0]].diverged
+    assert checks[EXPERTS].diverged is not router_wrong
+    for block in (0, 2, 3):
+        assert not report.backward.blocks[block].subpaths["ffn"].diverged
