@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from . import backward, decoding, distributed
+from . import backward, conversion, decoding, distributed
 from ._version import __version__
 from .capture import TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
@@ -756,6 +756,8 @@ def _localize(
             f"({why}): fixed thresholds were used"
         )
         report.tolerance["policy"] = "fixed"
+    if report.diverged:  # a converted weight that explains a divergence is named (blockdiff.conversion)
+        conversion.diagnose(ref, cand, report)
     return report
 
 

@@ -80,8 +80,8 @@ def one_sided_stages(
             del sites[k]
         notes.append(
             f"{stage}: only the {here} has this stage ({modules}); the {'candidate' if here == 'reference' else 'reference'} "
-            f"computes it inside other modules (rotary tables kept as a tensor, say), so it is left out of the pairing: "
-            f"its errors show in the blocks that use it"
+            f"has no module for it (it computes it inside other modules, or keeps it as a constant), so it is left out "
+            f"of the pairing: its errors show in the blocks that use it"
         )
     return notes
 

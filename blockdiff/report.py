@@ -367,9 +367,11 @@ class Divergence:
                 f"{where} ({module}): {nonfinite_cand} non-finite values in the candidate, "
                 f"{nonfinite_ref} in the reference"
             )
+        weights = (self.check.details or {}).get("conversion")
         return (
             f"{where} ({module}): {self.check.metric} {self.check.measured:.3g} > threshold "
             f"{self.check.threshold.value:.3g} ({times(self.check)})"
+            + (f"; {weights[0]}" if weights else "")  # a converted weight explains it (blockdiff.conversion)
         )
 
 

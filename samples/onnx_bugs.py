@@ -7,7 +7,8 @@ module scopes the exporter wrote on them:
 
 - :func:`swap_activation`: the ffn's ``Sigmoid`` (of SiLU, x·σ(x)) becomes ``Tanh`` → ffn;
 - :func:`scale_scores`: the attention scores are multiplied by ``factor`` before their
-  softmax (a wrong 1/√d scale) → attention;
+  softmax (a wrong 1/√d scale) → attention; with ``scoped=False`` the inserted node has no
+  module scope, as graph-editing tools leave it;
 - :func:`drop_residual`: the block's residual ``Add`` after attention passes only the
   attention's output on → residual.
 
@@ -46,15 +47,18 @@ def swap_activation(proto: onnx.ModelProto, ffn: str) -> onnx.ModelProto:
     return edited
 
 
-def scale_scores(proto: onnx.ModelProto, attention: str, factor: float = 0.5) -> onnx.ModelProto:
-    """The attention scores of module ``attention`` scaled by ``factor`` before the softmax."""
+def scale_scores(proto: onnx.ModelProto, attention: str, factor: float = 0.5, *, scoped: bool = True) -> onnx.ModelProto:
+    """The attention scores of module ``attention`` scaled by ``factor`` before the softmax.
+    ``scoped=False``: the inserted ``Mul`` has no module scope, as a graph editor writes it
+    (blockdiff attributes it from the nodes around it)."""
     edited = _copy(proto)
     graph = edited.graph
     softmax = _first(edited, attention, "Softmax")
     name = f"{softmax.name}_planted_scale"
     graph.initializer.append(numpy_helper.from_array(np.array(factor, dtype=np.float32), name))
     scaled = helper.make_node("Mul", [softmax.input[0], name], [f"{name}_out"], name=name)
-    scaled.metadata_props.extend(softmax.metadata_props)  # the same module scope
+    if scoped:
+        scaled.metadata_props.extend(softmax.metadata_props)  # the same module scope
     softmax.input[0] = scaled.output[0]
     index = list(graph.node).index(softmax)
     graph.node.insert(index, scaled)

@@ -131,3 +131,16 @@ def test_a_compiled_graph_is_recorded_as_its_hooks_saw_it_despite_in_place_updat
     with torch.no_grad():
         plain = _graphs_and_breaks(lambda: model(ids))
     assert _graphs_and_breaks(lambda: record(model, blockdiff.resolve(model), MemoryStore(), ids)) == plain
+
+
+def test_a_compiled_function_around_the_model_is_said_in_the_notes(ids):
+    """``model.forward = torch.compile(model.forward)``: the run goes through compiled code
+    its experiments do not run; the report says so and what to do."""
+    around = tinylm.build()
+    around.forward = torch.compile(around.forward, backend="aot_eager")
+    report = blockdiff.diff(tinylm.build(), around, ids)
+    assert blamed(report) is None
+    note = next(n for n in report.notes if "is a compiled function" in n)
+    assert note.startswith("the candidate's forward of the model is a compiled function") and "module.compile()" in note
+    plain = blockdiff.diff(tinylm.build(), tinylm.build(), ids)
+    assert not any("is a compiled function" in n for n in plain.notes)

@@ -16,7 +16,7 @@ onnx = pytest.importorskip("onnx")
 
 from blockdiff.engine import RandomTokens, run  # noqa: E402
 from blockdiff.errors import InputError, PairingError  # noqa: E402
-from blockdiff.sides.onnx import OnnxModel, export_onnx, module_sites  # noqa: E402
+from blockdiff.sides.onnx import OnnxModel, export_onnx, module_sites, node_scopes  # noqa: E402
 from samples import onnx_bugs, tinylm  # noqa: E402
 from tests.test_cli import blockdiff_process  # noqa: E402
 
@@ -118,3 +118,23 @@ def test_an_onnx_candidate_without_onnxruntime_installed_is_a_clear_error(monkey
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as where it is not installed
     with pytest.raises(ModelSpecError, match=r"needs the onnx and onnxruntime packages .*pip install 'blockdiff\[onnx\]'"):
         OnnxModel(tmp_path / "model.onnx")
+
+
+def test_an_export_with_the_exporters_defaults_and_a_node_a_graph_editor_inserted(tmp_path):
+    """The exporter's optimizer folds the constant-only rotary module away: an absent
+    optional stage, said in the notes. A node inserted without module scope (a graph
+    editor's) belongs to the module around it: scaling block 2's attention scores is blamed
+    there, not taken for the block's output."""
+    model = _llama()
+    with torch.no_grad():
+        program = torch.onnx.export(model.eval(), (IDS,), kwargs={"use_cache": False}, dynamo=True, verbose=False)
+    path = tmp_path / "defaults.onnx"
+    program.save(str(path))
+    proto = onnx.load(str(path))
+    clean = run(model, OnnxModel(proto), IDS)
+    assert blamed(clean) is None and [s.stage for s in clean.stages] == ["embed", "final_norm", "head"]
+    assert any(n.startswith("model.rotary_emb: no node of the ONNX graph belongs to it") for n in clean.notes)
+    assert any(n.startswith("context: only the reference has this stage (model.rotary_emb)") for n in clean.notes)
+    edited = onnx_bugs.scale_scores(proto, "model.layers.2.self_attn", scoped=False)
+    assert not node_scopes(next(n for n in edited.graph.node if n.name.endswith("_planted_scale")))
+    assert blamed(run(model, OnnxModel(edited), IDS)) == (2, "attention")

@@ -37,6 +37,17 @@ def compiled_runnable(model: nn.Module, path: str, module: nn.Module, compiled: 
     return found
 
 
+def compiled_forwards(model: nn.Module) -> list[str]:
+    """The modules (``""``: the model) whose ``forward`` is a compiled function set on the
+    instance — ``model.forward = torch.compile(model.forward)``, the way ports run — rather
+    than a compiled module: the model's own run goes through the compiled function, while
+    an experiment calls the modules inside it, eager code."""
+    return [
+        path for path, module in model.named_modules()
+        if hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable")
+    ]
+
+
 @contextlib.contextmanager
 def compiled_code_limits(*models: nn.Module) -> Iterator[None]:
     """Compiled code that runs what blockdiff adds, room for the recompiles that causes, and

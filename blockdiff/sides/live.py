@@ -59,7 +59,7 @@ from ..site import (
 )
 from ..store import SiteStore
 from . import Frozen, Hidden, Side, SideDefaults, received_dtype
-from .compiled import compiled_code_limits, compiled_runnable
+from .compiled import compiled_code_limits, compiled_forwards, compiled_runnable
 from .precision import cast_copy, twins
 
 
@@ -129,6 +129,20 @@ class LiveSide(SideDefaults):
         (:func:`~blockdiff.sides.compiled.compiled_code_limits`), for the whole diff."""
         with eval_mode(self.model), compiled_code_limits(self.model):
             yield
+
+    def localized(self, judging: Any, judge: Callable[[], Any]) -> Any:
+        """``judge()``, and a note when the model's run went through a compiled function its
+        experiments do not (:func:`~blockdiff.sides.compiled.compiled_forwards`)."""
+        judged = judge()
+        around = compiled_forwards(self.model)
+        if around:
+            names = ", ".join(f"{path or 'the model'}" for path in around)
+            judging.notes.append(
+                f"the {self.name}'s forward of {names} is a compiled function (torch.compile(module.forward)): its run "
+                "(the drift) went through the compiled code, every experiment ran the modules' eager code; to judge the "
+                "compiled code, compile the module itself (torch.compile(module) or module.compile())"
+            )
+        return judged
 
     def inputs(self, given: Any) -> tuple[Inputs, str | None]:
         """Concrete inputs for this model, and a note when blockdiff made up part of them:

@@ -24,7 +24,7 @@ with and without the extra ones), and the side's ``meta`` records the result
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +34,7 @@ from torch import nn
 
 from ..errors import InputError, ModelSpecError, PairingError
 from ..hookmap import Layout
+from ..pairing import OPTIONAL_STAGES
 from ..site import Site
 from ..store import MemoryStore, SiteStore
 from . import Judged, Judging, SideDefaults
@@ -172,15 +173,19 @@ class OnnxSite:
     nodes: set[int] = field(default_factory=set)
 
 
-def module_sites(proto: Any, modules: list[str]) -> dict[str, OnnxSite]:
-    """Each module's :class:`OnnxSite`, from the exporter's node scopes.
+def module_sites(proto: Any, modules: list[str], *, optional: frozenset[str] = frozenset()) -> dict[str, OnnxSite]:
+    """Each module's :class:`OnnxSite`, from the exporter's node scopes (a node without
+    one — inserted by a graph editor — takes its neighbours', :func:`attributed_scopes`).
+    A module of ``optional`` no node belongs to (the exporter's optimizer folds a module
+    that computes constants, such as a rotary table, into the graph's initializers) has
+    no site.
 
     Raises:
         PairingError: a module no node of the graph belongs to (an export without module
             scopes, or one whose optimizer folded the module away).
     """
     graph = proto.graph
-    scopes = [node_scopes(node) for node in graph.node]
+    scopes = attributed_scopes(proto)
     if not any(scopes):
         raise PairingError(
             "the ONNX graph has no module scopes (pkg.torch.onnx.name_scopes): export it with "
@@ -195,6 +200,8 @@ def module_sites(proto: Any, modules: list[str]) -> dict[str, OnnxSite]:
     found = {}
     for module in modules:
         nodes = {i for i, s in enumerate(scopes) if module in s}
+        if not nodes and module in optional:
+            continue
         if not nodes:
             raise PairingError(
                 f"{module}: no node of the ONNX graph belongs to this module (scope {module!r}); an export "
@@ -214,6 +221,45 @@ def module_sites(proto: Any, modules: list[str]) -> dict[str, OnnxSite]:
                     inputs.append(name)
         found[module] = OnnxSite(module, inputs, outputs, nodes)
     return found
+
+
+def attributed_scopes(proto: Any) -> list[list[str]]:
+    """Every node's scopes (:func:`node_scopes`); a node that has none (a graph editor's,
+    with no metadata) takes those its producers and consumers share — the deepest module
+    all of them are inside — so a node inserted between two nodes of one module belongs to
+    it. Repeated until nothing changes (a chain of inserted nodes)."""
+    graph = proto.graph
+    scopes = [node_scopes(node) for node in graph.node]
+    if not any(scopes):
+        return scopes
+    producer: dict[str, int] = {}
+    consumers: dict[str, list[int]] = {}
+    for i, node in enumerate(graph.node):
+        for name in node.output:
+            producer[name] = i
+        for name in node.input:
+            consumers.setdefault(name, []).append(i)
+    changed = True
+    while changed:
+        changed = False
+        for i, node in enumerate(graph.node):
+            if scopes[i] or node.op_type == "Constant":
+                continue
+            around = [producer[n] for n in node.input if n in producer] + [c for n in node.output for c in consumers.get(n, ())]
+            around = [j for j in around if graph.node[j].op_type != "Constant"]  # shared between scopes
+            known = [scopes[j] for j in around if scopes[j]]
+            if not known or len(known) < len(around):
+                continue
+            shared = known[0]
+            for other in known[1:]:
+                n = 0
+                while n < min(len(shared), len(other)) and shared[n] == other[n]:
+                    n += 1
+                shared = shared[:n]
+            if shared:
+                scopes[i] = list(shared)
+                changed = True
+    return scopes
 
 
 def node_scopes(node: Any) -> list[str]:
@@ -277,7 +323,16 @@ class OnnxSide(SideDefaults):
         for block in layout.blocks:
             modules.append(block.path)
             modules.extend(path for paths in block.subpaths.values() for path in paths)
-        self.sites = module_sites(model.proto, modules)
+        # A stage that computes constants (a rotary table) is folded away by the exporter's
+        # optimizer: an optional stage, left out (the pairing says so, and so does the note).
+        optional = frozenset(
+            path for stage, path in layout.outside
+            if stage in OPTIONAL_STAGES or stage in layout.hook_map.optional or path in layout.hook_map.optional
+        )
+        self.sites = module_sites(model.proto, modules, optional=optional)
+        self.folded = [path for _, path in layout.outside if path not in self.sites]
+        if self.folded:
+            self.layout = replace(layout, outside=[(stage, path) for stage, path in layout.outside if path in self.sites])
         self._dtype = self._output_dtype()
         self.meta = {
             "model": label or model.label,
@@ -422,6 +477,11 @@ class OnnxSide(SideDefaults):
         """``judge()``, and a note saying whether recording every site as a graph output
         moved the graph's own outputs (:func:`capture_changes_outputs`)."""
         judged = judge()
+        if self.folded:
+            judging.notes.append(
+                f"{', '.join(self.folded)}: no node of the ONNX graph belongs to it (the exporter's optimizer folded "
+                "it into the graph's constants): left out of the candidate's sites"
+            )
         moved = capture_changes_outputs(self.model, self, self._ran_on)
         judging.notes.append(
             "ONNX Runtime candidate: sites found by the exporter's module scopes, experiments run as sub-graphs; "

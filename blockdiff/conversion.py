@@ -1,0 +1,157 @@
+"""Conversion diagnosis: when a divergent module's weights are the cause, say which and how.
+
+A port loads the reference's weights through a conversion script, and most port bugs are
+there: a weight taken from the wrong tensor, a matrix not transposed, rows permuted (the
+q/k head interleave of a rotary conversion), a scale, a round trip through a lower
+precision. When a module diverges, its parameters are paired with the reference
+module's (:func:`paired_parameters`: by name, else by order among those of one shape),
+and each that differs is explained where it can be (:func:`explain`) — in the report's
+notes and on the check (``details["conversion"]``), and in the headline
+(docs/cli.md, "Ports and converted weights").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .report import Report
+from .sides import Side
+
+
+def _module(side: Side, path: str) -> nn.Module | None:
+    found = side.attribute(path) if "." in path else None
+    if found is None and hasattr(side, "module"):
+        try:
+            found = side.module(path)  # type: ignore[attr-defined]
+        except AttributeError:
+            return None
+    return found if isinstance(found, nn.Module) else None
+
+
+def weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's parameters and floating buffers (a rotary table's ``inv_freq``), by name."""
+    found = dict(module.named_parameters())
+    found.update({n: b for n, b in module.named_buffers() if b.is_floating_point() and n not in found})
+    return found
+
+
+def paired_parameters(ref: nn.Module, cand: nn.Module) -> list[tuple[str, str]]:
+    """(candidate name, reference name) for the candidate module's weights
+    (:func:`weights`): the same name below the module where both have it, else the same
+    place in the order of the weights of one shape (``w1, w3`` against ``gate_proj,
+    up_proj``)."""
+    ref_params = weights(ref)
+    cand_params = weights(cand)
+    pairs = [(name, name) for name in cand_params if name in ref_params and ref_params[name].shape == cand_params[name].shape]
+    taken = {name for name, _ in pairs}
+    for shape in {tuple(p.shape) for p in cand_params.values()}:
+        mine = [n for n, p in cand_params.items() if tuple(p.shape) == shape and n not in taken]
+        theirs = [n for n, p in ref_params.items() if tuple(p.shape) == shape and n not in taken]
+        pairs += list(zip(mine, theirs))
+    return pairs
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a.float(), b.float()))
+
+
+def explain(got: torch.Tensor, expected: torch.Tensor, others: dict[str, torch.Tensor]) -> str | None:
+    """What ``got`` (a candidate weight) is instead of ``expected`` (the reference's),
+    when it is one of: another reference parameter (``others``, by name), ``expected``
+    transposed, its rows permuted, a scaled copy, a round trip through a lower precision;
+    ``None`` when it is none of these (or is ``expected``). Compared in ``got``'s dtype:
+    a candidate in bfloat16 holds the reference's weights rounded to it."""
+    dtype = got.dtype
+    as_got = lambda t: t.detach().to(dtype).float().cpu()  # noqa: E731
+    lower = dtype in (torch.bfloat16, torch.float16)
+    got, exact = got.detach().float().cpu(), expected.detach().float().cpu()
+    expected = as_got(expected)
+    if _same(got, expected):
+        return None
+    for name, other in others.items():
+        if other.shape == got.shape and _same(got, as_got(other)):
+            return f"equals the reference's {name}"
+    if expected.dim() == 2 and expected.shape[0] == expected.shape[1] and _same(got, expected.T):
+        return "is the reference's transposed"
+    if expected.dim() == 2 and got.shape == expected.shape and _rows_permuted(got, expected):
+        return "is the reference's with its rows permuted (a q/k head interleave of a rotary conversion?)"
+    ratio = _scale(got, expected, rtol=1e-2 if lower else 1e-5)
+    if ratio is not None:
+        return f"is the reference's scaled by {ratio:.3g}"
+    for low in () if lower else (torch.bfloat16, torch.float16):
+        if _same(got, exact.to(low).float()):
+            return f"is the reference's rounded through {str(low).removeprefix('torch.')}"
+    return None
+
+
+def _rows_permuted(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether every row of ``got`` is a row of ``expected`` and they are not in order."""
+    index = {tuple(row.tolist()): i for i, row in enumerate(expected)}
+    order = [index.get(tuple(row.tolist())) for row in got]
+    return None not in order and sorted(order) == list(range(len(order))) and order != list(range(len(order)))
+
+
+def _scale(got: torch.Tensor, expected: torch.Tensor, *, rtol: float) -> float | None:
+    if got.shape != expected.shape or not expected.abs().sum():
+        return None
+    nonzero = expected != 0
+    ratio = float((got[nonzero] / expected[nonzero]).median())
+    if abs(ratio - 1.0) > rtol and torch.allclose(got, expected * ratio, rtol=rtol, atol=1e-8):
+        return ratio
+    return None
+
+
+def diagnose(ref: Side, cand: Side, report: Report) -> None:
+    """For each divergence in ``report`` on a module both sides hold live, its
+    parameters against the reference's: each one that differs, and what it is instead
+    where :func:`explain` can tell, on the check (``details["conversion"]``) and in the
+    notes."""
+    if not (ref.live and cand.live):
+        return
+    ref_model = _module(ref, "")
+    everything = {n: p for n, p in ref_model.named_parameters()} if ref_model is not None else {}
+    for divergence in report.divergences:
+        if divergence.stage == "block" and divergence.subpath not in ("attention", "ffn", "norm"):
+            continue  # the glue, the block as a whole, drift: no one module's weights
+        ref_path = reference_path(ref, cand, divergence.stage, divergence.block, divergence.subpath, divergence.module)
+        ref_module, cand_module = (_module(ref, ref_path) if ref_path else None), _module(cand, divergence.module)
+        if ref_module is None or cand_module is None:
+            continue
+        found = []
+        ref_params, cand_params = weights(ref_module), weights(cand_module)
+        for mine, theirs in paired_parameters(ref_module, cand_module):
+            got, expected = cand_params[mine], ref_params[theirs]
+            if got.dtype != expected.dtype and _same(got, expected.to(got.dtype)):
+                continue  # the reference's, in the candidate's dtype
+            if _same(got, expected):
+                continue
+            why = explain(got, expected, {n: p for n, p in everything.items() if n != f"{ref_path}.{theirs}"})
+            found.append(f"{divergence.module}.{mine} differs from the reference's {ref_path}.{theirs}" + (f": it {why}" if why else ""))
+        if not found:
+            continue
+        details = dict(divergence.check.details or {})
+        details["conversion"] = found
+        divergence.check.details = details
+        report.notes.append(f"{divergence.where}: its weights — " + "; ".join(found))
+
+
+def reference_path(ref: Side, cand: Side, stage: str, block: int | None, subpath: str | None, module: str) -> str | None:
+    """The reference module paired with the candidate's ``module``: the one at the same
+    place of the reference's layout (stage; block, sub-path and ordinal)."""
+    if stage != "block":
+        mine = [path for s, path in cand.layout.outside if s == stage]
+        theirs = [path for s, path in ref.layout.outside if s == stage]
+    else:
+        blocks = {b.index: b for b in cand.layout.blocks}, {b.index: b for b in ref.layout.blocks}
+        if block not in blocks[0] or block not in blocks[1]:
+            return None
+        mine = blocks[0][block].subpaths.get(subpath or "", [])
+        theirs = blocks[1][block].subpaths.get(subpath or "", [])
+    if module not in mine:
+        return None
+    at = mine.index(module)
+    return theirs[at] if at < len(theirs) else None
+
+
+__all__ = ["diagnose", "explain", "paired_parameters", "reference_path", "weights"]

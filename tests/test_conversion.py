@@ -1,0 +1,71 @@
+"""Ports whose conversion script copied a weight wrong: the divergence is blamed on its
+block and sub-path, and the weight is named with what it is instead — in float32, and in
+bfloat16 where the candidate holds the reference's weights rounded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blockdiff import Report
+from blockdiff.conversion import explain
+from tests.conftest import run_cli
+
+pytest.importorskip("transformers")
+
+REFERENCE = "samples/port.py:reference"
+# mistake → (stage or block, sub-path, the weight and what it is, as the headline ends)
+PLANTED = {
+    "norm_from_the_other_norm": (
+        1, "norm", "blocks.1.ffn_norm.weight differs from the reference's model.layers.1.post_attention_layernorm.weight: "
+        "it equals the reference's model.layers.1.input_layernorm.weight"),
+    "gate_up_swapped": (
+        1, "ffn", "blocks.1.ffn.gate_proj.weight differs from the reference's model.layers.1.mlp.gate_proj.weight: "
+        "it equals the reference's model.layers.1.mlp.up_proj.weight"),
+    "square_projection_not_transposed": (
+        1, "attention", "blocks.1.attn.o_proj.weight differs from the reference's model.layers.1.self_attn.o_proj.weight: "
+        "it is the reference's transposed"),
+    "query_rows_permuted": (
+        1, "attention", "blocks.1.attn.q_proj.weight differs from the reference's model.layers.1.self_attn.q_proj.weight: "
+        "it is the reference's with its rows permuted"),
+    "rotary_base_wrong": ("context", None, "rotary.inv_freq differs from the reference's model.rotary_emb.inv_freq"),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mistake", PLANTED)
+def test_a_conversion_mistake_is_blamed_and_its_weight_named(mistake, dtype, tmp_path, capsys):
+    where, subpath, weight = PLANTED[mistake]
+    code, out, err = run_cli(
+        ["diff", REFERENCE, f"samples/converted_port.py:{mistake}", "--cand-dtype", dtype, "--json", str(tmp_path / "r.json")],
+        capsys,
+    )
+    assert code == 1, err
+    report = Report.from_dict(json.loads((tmp_path / "r.json").read_text()))
+    first = report.first_divergence
+    assert ((first.block if first.stage == "block" else first.stage), first.subpath) == (where, subpath)
+    assert weight in first.headline()
+    assert any(weight in note for note in report.notes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_clean_port_names_no_weight(dtype):
+    from blockdiff import run
+    from samples import port
+
+    report = run(port.reference(), port.port().to(dtype), torch.randint(0, 256, (2, 16)))
+    assert report.first_divergence is None and not any("its weights" in n for n in report.notes)
+
+
+def test_explain_tells_each_kind_of_conversion_mistake():
+    torch.manual_seed(0)
+    w, other = torch.randn(6, 6), torch.randn(6, 6)
+    assert explain(w, w, {}) is None
+    assert explain(other, w, {"layers.0.up.weight": other}) == "equals the reference's layers.0.up.weight"
+    assert explain(w.T, w, {}) == "is the reference's transposed"
+    assert explain(w[[1, 0, 2, 3, 4, 5]], w, {}).startswith("is the reference's with its rows permuted")
+    assert explain(w * 0.5, w, {}) == "is the reference's scaled by 0.5"
+    assert explain(w.to(torch.bfloat16).float(), w, {}) == "is the reference's rounded through bfloat16"
+    assert explain(torch.randn(6, 6), w, {}) is None  # something else: only "differs"
