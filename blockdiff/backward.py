@@ -271,22 +271,34 @@ class BackwardExperiments:
             )
         worst = max(checks, key=lambda k: (k.diverged, k.ratio), default=None)
         if worst is not None and worst.diverged:
-            worst.children = self.children_checks(target, r, c, hidden, grad)
+            self.children_checks(target, r, c, hidden, grad, worst)
         return checks
 
-    def children_checks(self, target: str, r: Site, c: Site, hidden: dict[str, torch.Tensor], grad: torch.Tensor) -> list[Check]:
+    def children_checks(
+        self, target: str, r: Site, c: Site, hidden: dict[str, torch.Tensor], grad: torch.Tensor, into: Check
+    ) -> None:
         """Drill-down: each innermost child the reference's module calls, its backward judged
         as a module's is — the candidate's child on the reference child's input, backward
         from the reference child's output gradient — on its input gradient, in the order
-        they ran. Children pair by their path below the module and their call count."""
+        they ran, into ``into.children``. Children pair by their path below the module and
+        their call count; those that pair with nothing, and pairs no gradient reaches, are
+        recorded beside them (``children_not_paired``, ``children_not_judged``)."""
         found = self.ref.child_gradients(r.module, r, hidden, grad)  # type: ignore[attr-defined]
         with torch.no_grad():
             own = {(s.module[len(c.module) + 1:], s.call): s for s in self.cand.child_calls(c.module, c, hidden)}
-        checks = []
+        checks: list[Check] = []
+        paired: set[tuple[str, int]] = set()
+        unpaired_ref: list[str] = []
+        not_judged: list[str] = []
         for rc, expected, out_grad in found:
             rel = rc.module[len(r.module) + 1:]
             cc, child_hidden = own.get((rel, rc.call)), rc.hidden_inputs()
-            if cc is None or expected is None or out_grad is None or "primary" not in child_hidden:
+            if cc is None:
+                unpaired_ref.append(rel)
+                continue
+            paired.add((rel, rc.call))
+            if expected is None or out_grad is None or "primary" not in child_hidden:
+                not_judged.append(f"{rel} (no gradient reaches it)")
                 continue
             got = self.cand.backward_module(cc.module, cc, child_hidden, out_grad, parameters=False)[0]  # type: ignore[attr-defined]
             floor = self._floor_run(
@@ -296,7 +308,13 @@ class BackwardExperiments:
             if "primary" in got:
                 what = f"child {rel}" + (f" #{rc.call}" if rc.call else "")
                 checks.append(self.check(target, what, cc.module, expected, got["primary"], None if floor is None else floor.get("primary")))
-        return checks
+            else:
+                not_judged.append(f"{rel} (its input gradient is not recorded)")
+        into.children = checks
+        into.children_not_paired = {
+            "candidate": sorted({rel for rel, call in own if (rel, call) not in paired}), "reference": sorted(set(unpaired_ref)),
+        }
+        into.children_not_judged = not_judged
 
     def moe_checks(self, r: Site, c: Site, router_r: Site, router_c: Site) -> list[Check]:
         """An MoE ffn's router and experts judged apart: the candidate's router alone,

@@ -48,8 +48,16 @@ def paired_parameters(ref: nn.Module, cand: nn.Module) -> list[tuple[str, str]]:
     for shape in {tuple(p.shape) for p in cand_params.values()}:
         mine = [n for n, p in cand_params.items() if tuple(p.shape) == shape and n not in taken]
         theirs = [n for n, p in ref_params.items() if tuple(p.shape) == shape and n not in taken]
-        pairs += list(zip(mine, theirs))
+        if len(mine) == len(theirs):  # else which goes with which is a guess (a fused wqkv beside q, k, v): none
+            pairs += list(zip(mine, theirs))
     return pairs
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A floating tensor held as itself (a quantized or sharded weight's subclass is not
+    compared: its elements are not its values; nor an offloaded weight's placeholder)."""
+    data = t.data if isinstance(t, nn.Parameter) else t
+    return type(data) is torch.Tensor and data.is_floating_point() and data.device.type != "meta"  # offloaded: not here
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -107,10 +115,10 @@ def diagnose(ref: Side, cand: Side, report: Report) -> None:
     parameters against the reference's: each one that differs, and what it is instead
     where :func:`explain` can tell, on the check (``details["conversion"]``) and in the
     notes."""
-    if not (ref.live and cand.live):
-        return
+    if not (ref.live and cand.live) or ref.lockstep or cand.lockstep:
+        return  # a sharded candidate's weights are shards: each rank would say something else
     ref_model = _module(ref, "")
-    everything = {n: p for n, p in ref_model.named_parameters()} if ref_model is not None else {}
+    everything = {n: p for n, p in weights(ref_model).items() if _plain(p)} if ref_model is not None else {}
     for divergence in report.divergences:
         if divergence.stage == "block" and divergence.subpath not in ("attention", "ffn", "norm"):
             continue  # the glue, the block as a whole, drift: no one module's weights
@@ -122,6 +130,8 @@ def diagnose(ref: Side, cand: Side, report: Report) -> None:
         ref_params, cand_params = weights(ref_module), weights(cand_module)
         for mine, theirs in paired_parameters(ref_module, cand_module):
             got, expected = cand_params[mine], ref_params[theirs]
+            if not (_plain(got) and _plain(expected)):
+                continue
             if got.dtype != expected.dtype and _same(got, expected.to(got.dtype)):
                 continue  # the reference's, in the candidate's dtype
             if _same(got, expected):

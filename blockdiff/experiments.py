@@ -20,10 +20,12 @@ the check's noise floor.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, TypeVar
 
 import torch
 
+from .children import ChildPair, pair_children
 from .compare import Metrics, metrics, rel_l2, same_bits
 from .distributed import everywhere, world
 from .dtypes import precision_label
@@ -219,32 +221,54 @@ class Experiments:
         check.order, check.key = r.order, key
         return check
 
-    def children_checks(self, target: str, r: Site, c: Site) -> list[Check]:
-        """Drill-down: the module check one level down. Each leaf child the reference's
-        module calls (a projection, an activation, an inner norm) is judged as a module
-        is — the candidate's child on the reference child's inputs (its other arguments
-        its own), against the reference child's output — in the order they ran. Children
-        pair by their path below the sub-path's module and their call count; a child only
-        one side has is left out. Needs both sides live."""
+    def children_checks(self, target: str, r: Site, c: Site, check: Check | None = None) -> list[Check]:
+        """Drill-down: the module check one level down. Each innermost child the
+        reference's module calls (a projection, an activation, an inner norm) is judged as a
+        module is — the candidate's child on the reference child's inputs (its other
+        arguments its own), against the reference child's output — in the order they ran.
+        Children pair by name, else by role, else a fused child against split ones
+        (:func:`~blockdiff.children.pair_children`); ``check`` (the module's check) records
+        what pairs with nothing and what cannot be judged (``children_not_paired``,
+        ``children_not_judged``), which are never counted as checked. Needs both sides live."""
         ref_calls = self.ref.child_calls(r.module, r)
-        cand_calls = {(s.module[len(c.module) + 1 :], s.call): s for s in self.cand.child_calls(c.module, c, r.hidden_inputs())}
-        checks = []
-        for rc in ref_calls:
-            rel = rc.module[len(r.module) + 1 :]
-            cc = cand_calls.get((rel, rc.call))
-            ref_out, hidden = rc.primary_output(), rc.hidden_inputs()
-            if cc is None or ref_out is None or not hidden:
-                continue
+        cand_calls = self.cand.child_calls(c.module, c, r.hidden_inputs())
+        pairing = pair_children(
+            r.module, ref_calls, c.module, cand_calls, ref_module=_module_of(self.ref), cand_module=_module_of(self.cand)
+        )
+        checks = [self.child_check(target, r, c, pair) for pair in pairing.pairs]
+        if check is not None:
+            check.children = checks
+            check.children_not_paired = pairing.not_paired
+            check.children_not_judged = pairing.not_judged
+        return checks
+
+    def child_check(self, target: str, r: Site, c: Site, pair: ChildPair) -> Check:
+        """One pair of :meth:`children_checks` judged: the candidate's child (or its
+        children, side by side) on the reference child's inputs against the reference's
+        child (or its children, side by side). A floor per reference child; the floor of
+        several side by side is theirs together (relative L2s over disjoint parts add as
+        squares weighted by each part's norm)."""
+        label = f"{describe_key(c.key)} {'+'.join(pair.cand_names)}"
+        expected = _side_by_side([rc.primary_output() for rc in pair.ref])
+        hidden = pair.ref[0].hidden_inputs()
+        if len(pair.cand) == 1:
+            cc = pair.cand[0]
             out = self.module_output(self.cand, cc.module, cc, hidden)
-            expected, out = comparable(f"{describe_key(c.key)} {rel}", "output", ref_out, out)
-            key = f"child:{describe_key(r.key)}:{rel}#{rc.call}"
+        else:  # a fused reference child: the candidate's split children on its input
+            out = _side_by_side([self.module_output(self.cand, cc.module, cc, hidden) for cc in pair.cand])
+        expected, out = comparable(label, "output", expected, out)
+        floors = []
+        for rc in pair.ref:
+            ref_out = rc.primary_output()
             floor = self.with_floor(
-                key,
+                _child_key(r, rc),
                 lambda side, rc=rc, ref_out=ref_out: rel_l2(ref_out, self.module_output(side, rc.module, rc, None)),
             )
-            checks.append(self.check(target, f"child {rel}" + (f" #{rc.call}" if rc.call else ""), cc.module, expected, out, floor))
-            checks[-1].key = key
-        return checks
+            floors.append((ref_out, floor))
+        module = pair.cand[0].module if len(pair.cand) == 1 else f"{c.module}.{'+'.join(pair.cand_names)}"
+        found = self.check(target, pair.what, module, expected, out, _joined_floor(floors))
+        found.key = _child_key(r, pair.ref[0]) if len(pair.ref) == 1 else None
+        return found
 
     # -- one block ---------------------------------------------------------------------
 
@@ -311,6 +335,47 @@ class Experiments:
             )
             for (what, module, _, _, at), (expected, got, result) in zip(compared, results)
         ]
+
+
+def _module_of(side: Side) -> Callable[[str], Any]:
+    """A child's module by its path on ``side`` (its role in a pairing), ``None`` where the
+    side has no modules to show (a dump, an ONNX graph)."""
+
+    def module(path: str) -> Any:
+        try:
+            return side.attribute(path)
+        except (AttributeError, KeyError, ValueError, IndexError):
+            return None
+
+    return module
+
+
+def _child_key(r: Site, rc: Site) -> str:
+    """The floor key of the reference child call ``rc`` of ``r``'s module."""
+    return f"child:{describe_key(r.key)}:{rc.module[len(r.module) + 1 :]}#{rc.call}"
+
+
+def _side_by_side(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    """The outputs of split children as their fused child writes them: along the last
+    dimension, in the order they ran (one tensor: itself)."""
+    if any(t is None for t in tensors):
+        raise PairingError("a child paired for a drill-down returned no tensor")
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=-1)  # type: ignore[arg-type]
+
+
+def _joined_floor(parts: list[tuple[torch.Tensor, float | None]]) -> float | None:
+    """The relative L2 of tensors side by side from each one's (``(tensor, its relative
+    L2)``): the squared errors add, ``sqrt(sum((f_i |t_i|)^2) / sum(|t_i|^2))``; ``None``
+    when any part has no floor."""
+    if len(parts) == 1:
+        return parts[0][1]
+    if any(f is None for _, f in parts):
+        return None
+    norms = [float(t.double().norm()) ** 2 for t, _ in parts]
+    total = sum(norms)
+    if total == 0:
+        return 0.0 if all(f == 0 for _, f in parts) else math.inf
+    return math.sqrt(sum(n * f * f for n, (_, f) in zip(norms, parts)) / total)  # type: ignore[operator]
 
 
 class StoredFloors:

@@ -186,8 +186,8 @@ class Localizer:
             else:
                 found = self._judged(f"{where} {r.subpath} ({c.module})", lambda: exp.module_check(r.subpath, r, c))
                 if found is not None and (found.diverged or self.drill_all) and self.ref.live:
-                    found.children = self._judged(
-                        f"{where} {r.subpath} ({c.module}) children", lambda: exp.children_checks(r.subpath, r, c)
+                    self._judged(  # sets found.children and what was not checked
+                        f"{where} {r.subpath} ({c.module}) children", lambda: exp.children_checks(r.subpath, r, c, found)
                     )
                 checks = None if found is None else [found]
             if checks is None:

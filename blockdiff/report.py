@@ -60,11 +60,26 @@ class Check:
     # The check's name among floors (Experiments.with_floor): how a baseline of another
     # precision is looked up for it (ranking). Not in the JSON.
     key: str | None = field(default=None, compare=False)
+    # What the drill-down could not check (Experiments.children_checks), beside ``children``:
+    # the children, by their path below their module, that pair with nothing on the other
+    # side ({"reference": [...], "candidate": [...]}), and pairs that cannot be judged
+    # ("NAME (why)"). None when not recorded (not drilled; an older report; a backward
+    # drill-down, which pairs by name and says nothing of the rest).
+    children_not_paired: dict[str, list[str]] | None = None
+    children_not_judged: list[str] | None = None
 
     @property
     def first_child(self) -> "Check | None":
         """The first child, in the order they ran, that diverges (drilled checks only)."""
         return next((c for c in self.children or [] if c.diverged), None)
+
+    @property
+    def every_child_checked(self) -> bool | None:
+        """Whether the drill-down judged every child of the module on both sides (none
+        left unpaired or unjudged); ``None`` when that was not recorded or not drilled."""
+        if self.children is None or self.children_not_paired is None or self.children_not_judged is None:
+            return None
+        return not any(self.children_not_paired.values()) and not self.children_not_judged
 
     @property
     def measured(self) -> float:
@@ -128,6 +143,10 @@ class Check:
             out["children"] = [child.to_dict() for child in self.children]
             first = self.first_child
             out["first_child"] = None if first is None else first.module
+            if self.children_not_paired is not None:
+                out["children_not_paired"] = {side: list(names) for side, names in self.children_not_paired.items()}
+            if self.children_not_judged is not None:
+                out["children_not_judged"] = list(self.children_not_judged)
         return out
 
     @classmethod
@@ -148,6 +167,11 @@ class Check:
             metric=data.get("metric", "rel_l2"),
             details=data.get("details"),
             children=[cls.from_dict(c) for c in data["children"]] if "children" in data else None,
+            children_not_paired=(
+                {side: list(names) for side, names in data["children_not_paired"].items()}
+                if data.get("children_not_paired") is not None else None
+            ),
+            children_not_judged=list(data["children_not_judged"]) if data.get("children_not_judged") is not None else None,
         )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,7 @@ __all__ = [
     "drop_rate",
     "fmt",
     "level",
+    "not_checked",
     "ratio_colour",
     "sparkline",
 ]
@@ -77,20 +79,59 @@ MOE_COUNTS = (
 
 def drill_down(divergence: Divergence) -> str | None:
     """What the drill-down of a divergent module found, in one line; ``None`` when the check
-    was not drilled (not a module check, or no live reference)."""
-    children = divergence.check.children
+    was not drilled (not a module check, or no live reference).
+
+    The line claims the cause is in the module itself only when every child on both sides
+    was judged; otherwise it names what was not (children paired with nothing, pairs that
+    could not be judged), or says that this was not recorded (an older report)."""
+    check = divergence.check
+    children = check.children
     if children is None:
         return None
-    first = divergence.check.first_child
-    if first is None:
-        return (
-            f"no child module diverges ({len(children)} checked): the cause is in "
-            f"{divergence.check.module}'s own code"
+    module = check.module
+    unchecked = not_checked(check)
+    first = check.first_child
+    if first is not None:
+        paired_as = _PAIRED_AS.search(first.what)
+        line = (
+            f"first divergent child: {first.module}{'' if paired_as is None else ' ' + paired_as.group(0)}: "
+            f"{first.metric} {first.measured:.3g} > threshold {first.threshold.value:.3g} ({times(first)})"
         )
-    return (
-        f"first divergent child: {first.module}: {first.metric} {first.measured:.3g} > threshold "
-        f"{first.threshold.value:.3g} ({times(first)})"
-    )
+        return line + (f"; not checked: {unchecked}" if unchecked else "")
+    if unchecked is None:
+        return (
+            f"no child module diverges ({len(children)} checked; which children could not be paired is not "
+            f"recorded): the cause is in {module}'s own code or in a child not checked"
+        )
+    if unchecked:
+        return (
+            f"no child module diverges ({len(children)} checked; {unchecked}): the cause is in {module}'s own "
+            "code or in a child not checked"
+        )
+    if not children:
+        return f"no child module diverges ({module} calls none): the cause is in {module} itself (its code or its weights)"
+    return f"no child module diverges ({len(children)} checked): the cause is in {module} itself (its code or its weights)"
+
+
+# How a child check paired by role names the reference's child it stands for: "(as gate_proj)".
+_PAIRED_AS = re.compile(r"\(as [^()]+\)$")
+
+
+def not_checked(check: Check) -> str | None:
+    """What a drill-down did not check, in words (``2 candidate children not paired: wqkv,
+    wo; 4 reference children not paired: q_proj, k_proj, v_proj, o_proj``); ``""`` when it
+    checked every child on both sides, ``None`` when that was not recorded."""
+    if check.every_child_checked is None:
+        return None
+    parts = []
+    for side in ("candidate", "reference"):
+        names = (check.children_not_paired or {}).get(side) or []
+        if names:
+            parts.append(f"{len(names)} {side} {'child' if len(names) == 1 else 'children'} not paired: {', '.join(names)}")
+    judged = check.children_not_judged or []
+    if judged:
+        parts.append(f"{len(judged)} {'child' if len(judged) == 1 else 'children'} not judged: {', '.join(judged)}")
+    return "; ".join(parts)
 
 
 def level(ratio: float | None, diverged: bool, status: str = "checked") -> str:
