@@ -12,6 +12,8 @@ notes and on the check (``details["conversion"]``), and in the headline
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -110,6 +112,45 @@ def _scale(got: torch.Tensor, expected: torch.Tensor, *, rtol: float) -> float |
     return None
 
 
+def fused_parts(got: torch.Tensor, ref_weights: dict[str, torch.Tensor]) -> str | None:
+    """A fused weight (``wqkv``, ``w13``) against the reference's split ones: the
+    consecutive 2-D weights of the reference module (in order) with ``got``'s input size
+    whose rows add up to ``got``'s. ``None`` when they concatenate to ``got``, or when no
+    such parts make it up in any order and none of them is in it (a weight that is not the
+    fusion of those); else what ``got`` holds: those parts in another order, or which of
+    them differs."""
+    if got.dim() != 2:
+        return None
+    dtype = got.dtype
+    names = [n for n, w in ref_weights.items() if w.dim() == 2 and w.shape[1] == got.shape[1]]
+    for start in range(len(names)):
+        rows, window = 0, []
+        for name in names[start:]:
+            rows += ref_weights[name].shape[0]
+            window.append(name)
+            if rows >= got.shape[0]:
+                break
+        if rows != got.shape[0] or len(window) < 2:
+            continue
+        parts = [ref_weights[n].detach().to(dtype).float().cpu() for n in window]
+        mine = got.detach().float().cpu()
+        if _same(mine, torch.cat(parts)):
+            return None
+        if len(window) <= 4:
+            for order in itertools.permutations(range(len(window))):
+                if list(order) != list(range(len(window))) and _same(mine, torch.cat([parts[i] for i in order])):
+                    held = ", ".join(window[i] for i in order)
+                    return f"holds the reference's {held} in that order (expected {', '.join(window)})"
+        offsets, wrong = 0, []
+        for name, part in zip(window, parts):
+            if not _same(mine[offsets:offsets + part.shape[0]], part):
+                wrong.append(name)
+            offsets += part.shape[0]
+        if len(wrong) < len(window):  # some parts are the reference's: a fused weight, one part wrong
+            return f"differs from the reference's {', '.join(window)} concatenated, in the part of {', '.join(wrong)}"
+    return None
+
+
 def diagnose(ref: Side, cand: Side, report: Report) -> None:
     """For each divergence in ``report`` on a module both sides hold live, its
     parameters against the reference's: each one that differs, and what it is instead
@@ -138,6 +179,12 @@ def diagnose(ref: Side, cand: Side, report: Report) -> None:
                 continue
             why = explain(got, expected, {n: p for n, p in everything.items() if n != f"{ref_path}.{theirs}"})
             found.append(f"{divergence.module}.{mine} differs from the reference's {ref_path}.{theirs}" + (f": it {why}" if why else ""))
+        paired = {mine for mine, _ in paired_parameters(ref_module, cand_module)}
+        for mine, got in cand_params.items():
+            if mine not in paired and _plain(got):
+                fused = fused_parts(got, {n: p for n, p in ref_params.items() if _plain(p)})
+                if fused is not None:
+                    found.append(f"{divergence.module}.{mine} {fused}")
         if not found:
             continue
         details = dict(divergence.check.details or {})

@@ -69,3 +69,32 @@ def test_explain_tells_each_kind_of_conversion_mistake():
     assert explain(w * 0.5, w, {}) == "is the reference's scaled by 0.5"
     assert explain(w.to(torch.bfloat16).float(), w, {}) == "is the reference's rounded through bfloat16"
     assert explain(torch.randn(6, 6), w, {}) is None  # something else: only "differs"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_fused_weight_converted_wrong_is_named_against_the_split_ones(dtype, tmp_path, capsys):
+    """A Meta-style port (fused wqkv, samples/fused_port.py) whose conversion concatenated
+    q, v, k: the fused weight is named with the order it holds; a bug in the port's code
+    (an attention scale) names no weight."""
+    code, out, err = run_cli(
+        ["diff", "samples/fused_port.py:reference", "samples/fused_port.py:port_kv_swapped", "--cand-dtype", dtype, "-q"], capsys
+    )
+    assert code == 1, err
+    assert ("block 0 attention (model.layers.0.attention)" in out and "model.layers.0.attention.wqkv.weight holds the reference's "
+            "q_proj.weight, v_proj.weight, k_proj.weight in that order (expected q_proj.weight, k_proj.weight, v_proj.weight)" in out)
+    code, out, err = run_cli(
+        ["diff", "samples/fused_port.py:reference", "samples/fused_port.py:port_attention_scale", "--cand-dtype", dtype, "-q"], capsys
+    )
+    assert code == 1 and "block 1 attention" in out and "weight" not in out, out
+
+
+def test_fused_parts_names_the_part_that_differs_and_nothing_for_an_unrelated_weight():
+    from blockdiff.conversion import fused_parts
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
+    split = {"q.weight": q, "k.weight": k, "v.weight": v}
+    assert fused_parts(torch.cat([q, k, v]), split) is None
+    assert fused_parts(torch.cat([q, k, v * 2]), split) == (
+        "differs from the reference's q.weight, k.weight, v.weight concatenated, in the part of v.weight")
+    assert fused_parts(torch.randn(4, 3), split) is None  # the size of k and v together, and neither
