@@ -32,9 +32,14 @@ def _module(side: Side, path: str) -> nn.Module | None:
 
 
 def weights(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A module's parameters and floating buffers (a rotary table's ``inv_freq``), by name."""
+    """A module's parameters and floating buffers (a rotary table's ``inv_freq``), by name;
+    a Hugging Face ``Conv1D``'s weight (``[in, out]``) as ``nn.Linear`` holds it, transposed,
+    so that a port's Linear compares with it as it should hold it."""
     found = dict(module.named_parameters())
     found.update({n: b for n, b in module.named_buffers() if b.is_floating_point() and n not in found})
+    for rel, child in module.named_modules():
+        if type(child).__name__ == "Conv1D" and isinstance(getattr(child, "weight", None), torch.Tensor):
+            found[f"{rel}.weight" if rel else "weight"] = child.weight.detach().T
     return found
 
 

@@ -98,3 +98,19 @@ def test_fused_parts_names_the_part_that_differs_and_nothing_for_an_unrelated_we
     assert fused_parts(torch.cat([q, k, v * 2]), split) == (
         "differs from the reference's q.weight, k.weight, v.weight concatenated, in the part of v.weight")
     assert fused_parts(torch.randn(4, 3), split) is None  # the size of k and v together, and neither
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_gpt2_port_whose_copy_loop_missed_a_transpose(dtype, capsys):
+    """A from-scratch GPT-2 (nn.Linear) loading HF's Conv1D weights through its own loop,
+    transposing each: clean, it blames nothing; the one square projection left
+    untransposed is blamed on its block's attention and named (no hook map written)."""
+    code, out, err = run_cli(["diff", "samples/gpt2_port.py:reference", "samples/gpt2_port.py:port", "--cand-dtype", dtype, "-q"], capsys)
+    assert code == 0 and out.strip() == "no divergence", out + err
+    code, out, err = run_cli(
+        ["diff", "samples/gpt2_port.py:reference", "samples/gpt2_port.py:attn_proj_not_transposed", "--cand-dtype", dtype, "-q"],
+        capsys,
+    )
+    assert code == 1, err
+    assert out.startswith("first divergence: block 1 attention (h.1.attn)")
+    assert "h.1.attn.c_proj.weight differs from the reference's transformer.h.1.attn.c_proj.weight: it is the reference's transposed" in out
