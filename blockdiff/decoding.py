@@ -30,7 +30,6 @@ and a candidate's decode replayed against it.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,7 +38,7 @@ from torch import nn
 
 from .compare import metrics
 from .errors import InputError, run_model_code
-from .inputs import run_model
+from .inputs import accepts, run_model
 from .hooking import BufferCache
 from .report import Check, SubpathResult
 from .sides import Side
@@ -85,8 +84,7 @@ class HFStepper:
         return transformers.DynamicCache(config=config)
 
     def run(self, model: nn.Module, ids: torch.Tensor, cache: Any) -> torch.Tensor:
-        params = inspect.signature(model.forward).parameters
-        name = "cache" if "cache" in params else "past_key_values"
+        name = "cache" if accepts(model, "cache") else "past_key_values"
         return logits_of(model(input_ids=ids, use_cache=True, **{name: cache}))
 
 
@@ -109,7 +107,7 @@ def stepper_for(model: nn.Module, *, kind: str, length: int) -> Stepper:
                 f"{', '.join(KV_LAYOUT)} once (how its cache tensors are laid out)"
             )
         return own
-    if getattr(model, "config", None) is None or not _takes_cache(model):
+    if getattr(model, "config", None) is None or not (accepts(model, "cache") or accepts(model, "past_key_values")):
         raise InputError(
             f"{type(model).__name__} has no decode step blockdiff knows: give the model a blockdiff_stepper "
             "(new_cache(model), run(model, ids, cache); docs/decode.md), or decode a Hugging Face causal LM"
@@ -117,11 +115,6 @@ def stepper_for(model: nn.Module, *, kind: str, length: int) -> Stepper:
     if kind not in CACHE_KINDS:
         raise InputError(f"unknown cache kind {kind!r}; expected one of {', '.join(CACHE_KINDS)}")
     return HFStepper(kind, length)
-
-
-def _takes_cache(model: nn.Module) -> bool:
-    params = inspect.signature(model.forward).parameters
-    return "cache" in params or "past_key_values" in params
 
 
 @dataclass
@@ -391,7 +384,7 @@ def filled(t: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def kv_checks(
-    experiments: Any, ref: Side, cand: Side, pair_blocks: list[Any], reference: list, length: int, step: int,
+    experiments: Any, cand: Side, pair_blocks: list[Any], reference: list, length: int, step: int,
     own: tuple[list | None, list | None] = (None, None),
 ) -> dict[int, list[Check]]:
     """The cache as a site: per block whose attention keeps a cache layer, what the

@@ -414,7 +414,7 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
 
             def complete(localizer: Localizer, blocks: list, step: int = step, length: int = length) -> None:
                 own = cand_run.caches.at(step), (floor_run or cand_run).caches.at(step)
-                found = decoding.kv_checks(localizer.experiments, ref, cand, layers, ref_run.caches.at(step) or [], length, step, own)
+                found = decoding.kv_checks(localizer.experiments, cand, layers, ref_run.caches.at(step) or [], length, step, own)
                 decoding.add_kv_checks(blocks, found)
 
             reports.append(

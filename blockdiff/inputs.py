@@ -97,12 +97,13 @@ def run_model(model: nn.Module, inputs: Inputs) -> Any:
         args, kwargs = moved, {}
     else:
         args, kwargs = (moved,), {}
-    if "use_cache" not in kwargs and _accepts(model, "use_cache"):
+    if "use_cache" not in kwargs and accepts(model, "use_cache"):
         kwargs["use_cache"] = False
     return model(*args, **kwargs)
 
 
-def _accepts(model: nn.Module, name: str) -> bool:
+def accepts(model: nn.Module, name: str) -> bool:
+    """Whether ``model.forward`` takes a parameter ``name`` (``False`` where it cannot tell)."""
     try:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -248,7 +249,7 @@ def complete_inputs(model: nn.Module, inputs: Inputs) -> tuple[Inputs, str | Non
 def pixel_input(model: nn.Module) -> tuple[str, tuple[int, ...]] | None:
     """``("pixel_values", (channels, size, size))`` for a vision encoder that takes pixels
     and no token ids (ViT, a CLIP or SigLIP vision tower), from its configuration."""
-    if _accepts(model, "input_ids") or not _accepts(model, "pixel_values"):
+    if accepts(model, "input_ids") or not accepts(model, "pixel_values"):
         return None
     config = getattr(model, "config", None)
     config = getattr(config, "vision_config", None) or config

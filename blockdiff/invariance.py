@@ -14,7 +14,6 @@ it differs and by how much (``Report.invariance``, docs/invariance.md).
 
 from __future__ import annotations
 
-import inspect
 from contextlib import ExitStack
 from typing import Any, Sequence
 
@@ -25,9 +24,9 @@ from . import engine
 from .assertion import raise_for_divergence
 from .errors import InputError, run_model_code
 from .hookmap import HookMap
-from .inputs import load_tokens, random_tokens
+from .inputs import RandomTokens, accepts
 from .moe import capacity_of
-from .report import Divergence, Report
+from .report import Report
 from .sides.batched import RowCut, RowSide, rows_of
 from .sides.factory import open_side
 from .sides.live import LiveSide
@@ -89,7 +88,7 @@ def invariance(
         chosen = list(rows) if rows is not None else list(range(count))
         if not chosen or not all(0 <= r < count for r in chosen):
             raise InputError(f"--rows must name rows of the batch (0 to {count - 1}), found {chosen}")
-        masked = _takes(side.model, "attention_mask")
+        masked = accepts(side.model, "attention_mask")
         if padding is not None and not masked:
             raise InputError(f"{type(side.model).__name__} takes no attention_mask: a padded batch needs one (--padding)")
         cuts = list(rows_of(count, lengths, padding))
@@ -108,7 +107,9 @@ def invariance(
                 cand = RowSide.of(in_batch, cut, whole, label=f"row {row} inside a batch of {count}")
                 report = engine.localize(side, cand, alone, engine.Options(tolerance=tolerance_))
                 found.append((row, report))
-            shared = _capacities(side, [r for _, r in found], alone_tokens=min(lengths), batch_tokens=count * length)
+            shared = run_model_code(
+                "reference", _capacities, side, [r for _, r in found], alone_tokens=min(lengths), batch_tokens=count * length
+            )
     summed = _summed(found, count=count, lengths=lengths, padding=padding, tolerance=tolerance, model=label or str(model))
     if shared:
         summed.invariance["capacities"] = shared  # type: ignore[index]
@@ -153,12 +154,9 @@ def assert_batch_invariant(model: Any, tokens: Any = None, **options: Any) -> Re
 
 
 def _tokens(side: LiveSide, tokens: Any, *, batch: int, seq: int, seed: int) -> torch.Tensor:
-    if tokens is None:
-        vocab = side.vocab_size()
-        if vocab is None:
-            raise InputError("cannot tell the model's vocabulary size; give token ids (--tokens FILE)")
-        return random_tokens(batch=batch, seq=seq, vocab=vocab, seed=seed)
-    ids = load_tokens(tokens) if not isinstance(tokens, torch.Tensor) else tokens
+    """The batch's token ids, as the side takes inputs (:meth:`~blockdiff.sides.live.LiveSide.inputs`:
+    random ids within its vocabulary, or a token file's, checked against it)."""
+    ids = side.inputs(tokens if tokens is not None else RandomTokens(batch=batch, seq=seq, seed=seed))[0]
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
         raise InputError("batch invariance needs token ids [batch, tokens]")
     return ids
@@ -169,13 +167,6 @@ def _lengths(count: int, length: int, padding: str | None) -> list[int]:
     if padding is None:
         return [length] * count
     return [length - (row * (length // 2)) // (count - 1) for row in range(count)]
-
-
-def _takes(model: nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _batch_inputs(model: nn.Module, ids: torch.Tensor, cuts: list[RowCut], masked: bool) -> Any:
@@ -191,7 +182,7 @@ def _batch_inputs(model: nn.Module, ids: torch.Tensor, cuts: list[RowCut], maske
     if not masked:
         return padded
     found: dict[str, torch.Tensor] = {"input_ids": padded, "attention_mask": mask}
-    if _takes(model, "position_ids"):
+    if accepts(model, "position_ids"):
         found["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
     return found
 
@@ -201,7 +192,7 @@ def _alone_inputs(model: nn.Module, ids: torch.Tensor, masked: bool) -> Any:
     if not masked:
         return ids
     found: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if _takes(model, "position_ids"):
+    if accepts(model, "position_ids"):
         found["position_ids"] = torch.arange(ids.shape[1])[None]
     return found
 
@@ -212,7 +203,7 @@ def _summed(
     """One report for every row: the row whose first divergence comes first in execution
     order, with every row's first divergence and, per divergent site, its rows."""
     diverged = [(row, report) for row, report in found if report.first_divergence is not None]
-    row, report = min(diverged, key=lambda pair: _position(pair[1].first_divergence)) if diverged else found[0]
+    row, report = min(diverged, key=lambda pair: pair[1].first_divergence.check.order or 0) if diverged else found[0]
     sites: dict[tuple[str, str], dict[str, Any]] = {}
     for r, each in found:
         for divergence in each.divergences:
@@ -248,12 +239,6 @@ def _summed(
         )
     report.notes[:0] = notes
     return report
-
-
-def _position(divergence: Divergence | None) -> tuple:
-    assert divergence is not None
-    order = divergence.check.order
-    return (0 if order is None else order,)
 
 
 def _ranges(rows: list[int]) -> str:

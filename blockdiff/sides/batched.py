@@ -148,9 +148,7 @@ class RowSide(SideDefaults):
         """The row of a batch ``inner`` has recorded into ``batch`` already (one record
         serves every row)."""
         side = cls(inner, cut, label=label)
-        side.store = MemoryStore(side.meta)
-        for site in batch.sites():
-            side.store.add(side._row_site(site))
+        side._fill(MemoryStore(side.meta), batch)
         return side
 
     def record(
@@ -160,10 +158,14 @@ class RowSide(SideDefaults):
         one cut to the row."""
         batch = MemoryStore(self.inner.meta)
         recording = self.inner.record(inputs, batch, hold=hold, progress=progress)
+        self._fill(store, batch)
+        return recording
+
+    def _fill(self, store: SiteStore, batch: MemoryStore) -> None:
+        """``store`` made this row's: each of the batch's sites cut to it."""
         for site in batch.sites():
             store.add(self._row_site(site))
         self.store = store
-        return recording
 
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
         batch = self._of(call)
