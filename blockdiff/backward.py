@@ -46,17 +46,16 @@ from .inputs import Inputs
 from .pairing import BlockPair, pair_block, pair_outside
 from .report import BlockResult, Check, Report, StageResult, SubpathResult
 from .sides import Side
+from .sides.live import ReplicaSplit
 from .sides.precision import twins
-from .site import Site, for_replay, hidden_states, iter_tensors, map_structure, primary_tensor, replace_primary, with_hidden
-from .tolerance import Tolerance, working_dtype
-from .vocab import DRIFT, SUBPATHS, UNATTRIBUTED
+from .site import Site, describe_key, for_replay, hidden_states, iter_tensors, map_structure, primary_tensor, replace_primary, with_hidden
+from .tolerance import Threshold, Tolerance, working_dtype
+from .vocab import DRIFT, INPUT_GRADIENT, PARAMETER_GRADIENT, REPLICAS, SUBPATHS, UNATTRIBUTED, reported_subpath
 
 # A loss as blockdiff calls it: the model's output and the inputs it ran on → a scalar.
 Loss = Callable[[Any, Inputs], torch.Tensor]
 
 DEFAULT_LOSS = "next-token cross-entropy on the input ids"
-INPUT_GRADIENT = "input gradient"
-PARAMETER_GRADIENT = "parameter gradient: {}"
 GRADIENT_DRIFT = "gradient drift"
 EXPERTS_GRADIENT = "experts (routing frozen at the reference's): input gradient"
 
@@ -472,6 +471,8 @@ class BackwardExperiments:
         blocks = [self.block(pair_block(ref.store, cand.store, i, ref.layout, cand.layout), judged=judged)
                   for i in ref.store.block_indices()]
         _backward_order(stages, blocks, {id(s): r.order for s, (r, _) in zip(stages, pairs)})
+        if self.cand_g.replicas is not None:  # a side split across ranks (sides.sharded.gradient_split)
+            notes.append(self.replicas_check(self.cand_g.replicas, stages, blocks))
         back = Report(
             reference=dict(forward.reference), candidate=dict(forward.candidate),
             inputs={**forward.inputs, "loss": loss}, tolerance=dict(forward.tolerance),
@@ -488,6 +489,47 @@ class BackwardExperiments:
                     "map misses (`blockdiff arch`)"
                 )
         return back
+
+    def replicas_check(self, split: ReplicaSplit, stages: list[StageResult], blocks: list[BlockResult]) -> str:
+        """The first gradient whose replicas differ across the candidate's ranks, judged as
+        a divergence where it is (threshold 0: every rank holds it whole and should compute
+        the same bits), first among its sub-path's checks; the note that says so."""
+        path, call = split.key
+        store = self.cand.store
+        site = next(
+            s for s in [*store.outside_sites(), *(s for i in store.block_indices() for s in store.block_sites(i))]
+            if s.module == path and s.call == call
+        )
+        gradient = split.which
+        names = ", ".join(str(r) for r in split.ranks)
+        message = (
+            f"replicas disagree: rank{'s' if len(split.ranks) > 1 else ''} {names} "
+            f"differ{'' if len(split.ranks) > 1 else 's'} from rank 0 in the {gradient} (rel_l2 {split.measured.rel_l2:.3g})"
+        )
+        check = Check(REPLICAS, path, split.measured, Threshold(0.0, "fixed"), details={"ranks": split.ranks, "message": message, "gradient": gradient})
+        if site.block is None:
+            stage = next(s for s in stages if s.module == path)
+            check.order = stage.order
+            if stage.local is None or not stage.local.diverged:
+                stage.local = check
+        else:
+            block = next(b for b in blocks if b.index == site.block and (path == b.module or path.startswith(b.module + ".")))
+            result = block.subpaths.setdefault(reported_subpath(site.subpath), SubpathResult("checked", order=block.order))
+            check.order = min((c.order for c in result.checks if c.order is not None), default=result.order)
+            # The module's own experiment on that gradient, drilled down, names the child
+            # whose backward lacks (or repeats) the collective: shown with this check.
+            own = next((c for c in result.checks if c.what == gradient and c.module == path and c.children), None)
+            if own is not None:
+                check.children, check.children_not_paired, check.children_not_judged = (
+                    own.children, own.children_not_paired, own.children_not_judged
+                )
+            result.checks.insert(0, check)
+            result.status = "checked"
+        return (
+            f"backward: {describe_key(site.key)} ({path}): {message}; every rank holds this gradient whole and should "
+            "compute the same bits: blamed where the replicas first differ in backward order (the missing or extra "
+            "collective is in that module's backward)"
+        )
 
     def stage(self, r: Site, c: Site, *, judged: bool) -> StageResult:
         """A stage outside the blocks (embedding, final norm, head): its module's backward

@@ -257,6 +257,12 @@ def in_layout(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
     mesh, placements = layout
     if mesh is None:  # a declared plain shard: this rank's part along that dimension
         return t.chunk(world(), dim=placements)[rank()].contiguous()
+    return laid_out(t, mesh, placements)
+
+
+def laid_out(t: torch.Tensor, mesh: Any, placements: tuple) -> torch.Tensor:
+    """``t`` (a whole tensor every rank holds) as a ``DTensor`` of ``mesh`` and
+    ``placements``: this rank's part of it, with no communication."""
     from torch.distributed.tensor import DTensor, Shard
 
     local = t
@@ -278,6 +284,31 @@ def made_whole(t: torch.Tensor, module: torch.nn.Module, declared: int | None) -
         return whole(t)
     dim = local_output_dim(module, t) if declared is None else declared
     return t if dim is None else declared_whole(t, dim)
+
+
+def sharded_layout(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` was recorded from a tensor each rank held a part of (a ``DTensor``
+    sharded or partial on some mesh dimension, or a declared plain shard): a gradient
+    reaching the whole tensor through :func:`in_layout` is then each rank's part of it,
+    summed over ranks to be whole (:func:`summed`)."""
+    layout = getattr(t, LAYOUT_ATTR, None) if t is not None else None
+    if layout is None:
+        return False
+    mesh, placements = layout
+    if mesh is None:
+        return True
+    from torch.distributed.tensor import Replicate
+
+    return any(not isinstance(p, Replicate) for p in placements)
+
+
+def summed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over every rank (a new tensor; a collective every rank enters)."""
+    import torch.distributed as dist
+
+    total = t.detach().clone()
+    dist.all_reduce(total, group=group_for(total))
+    return total
 
 
 def local_output_dim(module: torch.nn.Module, t: torch.Tensor) -> int | None:
@@ -388,6 +419,9 @@ __all__ = [
     "whole",
     "gathered",
     "in_layout",
+    "laid_out",
+    "sharded_layout",
+    "summed",
     "declared_whole",
     "local_output_dim",
     "apart",

@@ -285,8 +285,8 @@ def _live(ref: Side, cand: Side, inputs: Inputs, options: Options) -> Report:
     localize = lambda free_run: _localize(ref, cand, inputs, options, free_run=free_run)  # noqa: E731
     # -- --backward: the gradients localized after the forward (blockdiff.backward) --
     if options.backward:
-        if options.save_dumps is not None or options.stream or options.rank or lockstep:
-            raise InputError("--backward runs in memory, on one process: not with --stream, --save-dumps, --rank or torchrun")
+        if options.save_dumps is not None or options.stream or options.rank:
+            raise InputError("--backward runs in memory: not with --stream, --save-dumps or --rank")
         forward = localize
         localize = lambda free_run: backward.judge(  # noqa: E731
             ref, cand, inputs, forward(free_run), tolerance=options.tolerance, loss=options.loss

@@ -48,6 +48,11 @@ ROUTING_DIFFERS = "routing differs"
 OFFLINE_DRIFT = "drift (offline)"
 # The check of a sharded run's replicated tensors: the same bits on every rank.
 REPLICAS = "replicas"
+# What a backward check compares (blockdiff.backward): a call's input gradient, its output
+# gradient, or one parameter's gradient (by its name relative to the module).
+INPUT_GRADIENT = "input gradient"
+OUTPUT_GRADIENT = "output gradient"
+PARAMETER_GRADIENT = "parameter gradient: {}"
 # The free-running candidate judged against its tolerance at a site: the "drift" target,
 # calibrated against the reference's own free run at the candidate's precision. Its
 # divergence, when no local check explains it, is blamed on the sub-path "drift".

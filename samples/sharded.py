@@ -184,6 +184,119 @@ def sequence_gathered_reversed(*, block: int = DEFAULT_BLOCK) -> nn.Module:
     return tinylm_sp(block=block, order=lambda world: range(world - 1, -1, -1))
 
 
+# -- planted bugs: tensor parallel, backward only ------------------------------------------
+
+
+class _PartialGradientTakenAsWhole(torch.autograd.Function):
+    """Identity forward; backward takes this rank's share of the input gradient (a partial
+    sum over the ranks' columns) as the whole one: Megatron's "copy to the tensor-parallel
+    region" with its all-reduce left out of the backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        return DTensor.from_local(grad.to_local(), grad.device_mesh, [Replicate()], run_check=False)
+
+
+def _column_without_backward_all_reduce():
+    """A column-parallel style whose input's gradient is not all-reduced: the forward is
+    bit for bit the clean one, each rank's input gradient only its own columns' share."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class NoBackwardAllReduce(ColwiseParallel):
+        @staticmethod
+        def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
+            return _PartialGradientTakenAsWhole.apply(x)
+
+    return NoBackwardAllReduce()
+
+
+def input_grad_not_all_reduced(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """The attention's column-parallel q/k/v projections in ``block`` leave the all-reduce
+    out of their input's backward: the forward is the clean one, the attention's input
+    gradient on each rank is its own heads' share."""
+    def plan(index: int) -> dict:
+        found = _plan("self_attn", "mlp")
+        if index == block:
+            found.update({f"self_attn.{name}": _column_without_backward_all_reduce() for name in ("q_proj", "k_proj", "v_proj")})
+        return found
+
+    return llama_tp(plan_of=plan)
+
+
+class _GradientTimes(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, weight, factor):
+        ctx.factor = factor
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class GradientScaledLinear(nn.Linear):
+    """A row-parallel ``Linear`` whose weight gradient is multiplied by the world size (a
+    gradient "averaged" over the tensor-parallel group, which never summed it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, _GradientTimes.apply(self.weight, dist.get_world_size()), self.bias)
+
+
+def row_weight_grad_scaled(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """The FFN's row-parallel down projection in ``block`` scales its weight gradient by
+    the world size; its forward and every activation gradient are the clean ones."""
+    model = llama_tp()
+    model.model.layers[block].mlp.down_proj.__class__ = GradientScaledLinear
+    return model
+
+
+def _local_heads_norm(norm: nn.Module, where) -> None:
+    """A per-head norm (Qwen3's q/k norms) run on this rank's local heads with its weight a
+    replicated ``DTensor``: its gradient, each rank's partial sum over its own heads, is
+    summed over the ranks as DTensor sums a replicated parameter's."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_module
+
+    def heads(mod, inputs, mesh):
+        x = inputs[0]
+        return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(2)], run_check=False),)
+
+    distribute_module(norm, where, None, heads, lambda mod, out, mesh: out.to_local())
+
+
+def qwen3_tp(*, seed: int = 0, heads_norms: bool = True) -> nn.Module:
+    """The sample Hugging Face Qwen3 (``samples/hf_llama.py:build_qwen3``) tensor-parallel,
+    its q/k norms on each rank's heads with replicated ``DTensor`` weights (``heads_norms``)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model, where = hf_llama.build_qwen3(seed=seed), mesh()
+    for layer in model.model.layers:
+        parallelize_module(layer, where, _plan("self_attn", "mlp"))
+        if heads_norms:
+            _local_heads_norm(layer.self_attn.q_norm, where)
+            _local_heads_norm(layer.self_attn.k_norm, where)
+    return model
+
+
+def heads_norm_grads_not_reduced(*, block: int | None = None) -> nn.Module:
+    """Qwen3 tensor-parallel with its q/k norms' weights left plain tensors (the plan covers
+    the projections only): every rank's forward is right, but its gradient of a norm weight
+    is the sum over its own heads alone, and nothing sums it over the ranks. Blamed at the
+    last block, the first in backward order."""
+    return qwen3_tp(heads_norms=False)
+
+
 # -- context parallel ---------------------------------------------------------------------
 
 
@@ -364,6 +477,20 @@ BUGS = {
     "sequence_gathered_reversed": ("samples/tinylm.py:build", DEFAULT_BLOCK, "residual", None, SP_HOOKS),
     # at world size 2: the first block of the second stage
     "stage_fed_wrong_output": ("samples/tinylm.py:build", 2, "residual", None, PP_HOOKS),
+}
+# backward-only planted bug → (its single-device reference, blamed block, sub-path, what the first check compares)
+BACKWARD_BUGS = {
+    "input_grad_not_all_reduced": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "attention", "replicas"),
+    "row_weight_grad_scaled": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "ffn", "parameter gradient: down_proj.weight"),
+}
+# found, not planted: the natural plan leaves Qwen3's per-head norm weights plain tensors,
+# whose gradient each rank sums over its own heads only (the last block is the first blamed)
+BACKWARD_FOUND = {
+    "heads_norm_grads_not_reduced": ("samples/hf_llama.py:build_qwen3", 3, "attention", "parameter gradient: q_norm.weight"),
+}
+# clean sharded samples whose backward is the model's → their single-device reference
+BACKWARD_CLEAN = {
+    "llama_tp": "samples/hf_llama.py:build", "tinylm_tp": "samples/tinylm.py:build", "qwen3_tp": "samples/hf_llama.py:build_qwen3",
 }
 # clean sharded sample → (its single-device reference, candidate hook map)
 CLEAN = {

@@ -4,8 +4,8 @@ rank writes what it found as JSON (``OUT.rankN``): every rank must have found th
 
     python tests/sharded_worker.py SCENARIOS.json OUT.json    (each rank, with torchrun's environment)
 
-A scenario: {"name", "reference", "candidate", "dtype", "hooks"?}; ``reference`` may be a
-dump's path (a replay)."""
+A scenario: {"name", "reference", "candidate", "dtype", "hooks"?, "backward"?}; ``reference``
+may be a dump's path (a replay)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ def outcome(report) -> dict:
             "block": first.block, "subpath": first.subpath, "part": first.check.part,
             "what": first.check.what, "module": first.module, "headline": first.headline(),
         },
+        "backward": None if report.backward is None else {
+            "first": None if report.backward.first_divergence is None else report.backward.first_divergence.headline(),
+            "notes": report.backward.notes,
+        },
         "moe": report.moe,
         "notes": report.notes,
         "candidate": report.candidate,
@@ -65,7 +69,7 @@ def main(scenarios_path: str, out_path: str) -> None:
                 side(scenario["reference"], torch.float32),
                 side(scenario["candidate"], dtype),
                 RandomTokens(seed=scenario.get("seed", 0)),
-                options=Options(candidate_hooks=hooks, stream=scenario.get("stream", False)),
+                options=Options(candidate_hooks=hooks, stream=scenario.get("stream", False), backward=scenario.get("backward", False)),
             )
             found[scenario["name"]] = outcome(report)
         except Exception as exc:  # recorded, so that one scenario's failure names itself

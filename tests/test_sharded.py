@@ -73,6 +73,8 @@ LLAMA = "samples/hf_llama.py:build"
 CLEAN = sharded.CLEAN  # clean sharded sample → (reference, candidate hook map)
 PLANTED = sharded.BUGS  # planted bug → (reference, blamed block, sub-path, part, candidate hook map)
 DTYPES = ("float32", "bfloat16")
+BACKWARD_CLEAN = sharded.BACKWARD_CLEAN  # clean tensor-parallel sample → reference
+BACKWARD_BUGS = sharded.BACKWARD_BUGS  # backward-only bug → (reference, block, sub-path, what)
 
 
 def _scenarios(dump: Path) -> list[dict]:
@@ -82,6 +84,15 @@ def _scenarios(dump: Path) -> list[dict]:
             found.append({"name": f"clean {name} {dtype}", "reference": ref, "candidate": f"samples/sharded.py:{name}", "dtype": dtype, "hooks": hooks})
         for name, (ref, _, _, _, hooks) in PLANTED.items():
             found.append({"name": f"bug {name} {dtype}", "reference": ref, "candidate": f"samples/sharded.py:{name}", "dtype": dtype, "hooks": hooks})
+    # --backward: the tensor-parallel samples' backward is the model's (planted backward
+    # bugs run through the CLI below); a pipeline's is refused.
+    for dtype in DTYPES:
+        for name, ref in BACKWARD_CLEAN.items():
+            found.append({"name": f"backward clean {name} {dtype}", "reference": ref, "candidate": f"samples/sharded.py:{name}", "dtype": dtype, "backward": True})
+    for dtype in DTYPES:
+        for name, (ref, *_) in sharded.BACKWARD_FOUND.items():
+            found.append({"name": f"backward found {name} {dtype}", "reference": ref, "candidate": f"samples/sharded.py:{name}", "dtype": dtype, "backward": True})
+    found.append({"name": "backward pipeline refused", "reference": "samples/tinylm.py:build", "candidate": "samples/sharded.py:tinylm_pp", "hooks": sharded.PP_HOOKS, "backward": True})
     # A single-device reference dump replayed against sharded candidates.
     found.append({"name": "replay clean", "reference": str(dump), "candidate": "samples/sharded.py:llama_tp"})
     found.append({"name": "replay norm_on_one_rank", "reference": str(dump), "candidate": "samples/sharded.py:norm_on_one_rank"})
@@ -199,7 +210,60 @@ def test_assert_no_divergence_inside_a_process_group(outcomes):
     assert (first["block"], first["subpath"]) == (BLOCK, "attention")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(BACKWARD_CLEAN))
+def test_the_backward_of_a_clean_tensor_parallel_candidate_blames_nothing(outcomes, name, dtype):
+    found = _found(outcomes, f"backward clean {name} {dtype}")
+    assert found["first"] is None, found["first"]
+    assert found["backward"] is not None and found["backward"]["first"] is None, found["backward"]
+    assert not any("replicas disagree" in note for note in found["backward"]["notes"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(sharded.BACKWARD_FOUND))
+def test_a_replicated_parameter_whose_gradient_is_not_summed_over_ranks_is_blamed(outcomes, name, dtype):
+    _, block, subpath, gradient = sharded.BACKWARD_FOUND[name]
+    found = _found(outcomes, f"backward found {name} {dtype}")
+    assert found["first"] is None  # every rank's forward is right
+    first = found["backward"]["first"]
+    assert first is not None and first.startswith(f"block {block} {subpath} "), first
+    assert f"replicas disagree: rank 1 differs from rank 0 in the {gradient}" in first
+
+
+def test_the_backward_of_a_pipeline_is_refused_clearly(outcomes):
+    assert outcomes["backward pipeline refused"]["error"].startswith(
+        "InputError: --backward does not run a pipeline-parallel candidate"
+    )
+
+
 # -- the CLI -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(BACKWARD_BUGS))
+def test_cli_backward_only_tensor_parallel_bug_is_blamed_exactly(tmp_path, name, dtype):
+    reference, block, subpath, what = BACKWARD_BUGS[name]
+    report = tmp_path / "report.json"
+    ranks = launch([
+        "-m", "blockdiff", "diff", reference, f"samples/sharded.py:{name}", "--backward", "--cand-dtype", dtype,
+        "--json", str(report),
+    ])
+    assert [r.returncode for r in ranks] == [1, 1], [r.stderr[-2000:] for r in ranks]
+    data = json.loads(report.read_text())
+    assert data["first_divergence"] is None, data["first_divergence"]  # the forward is the clean one
+    first = data["backward"]["first_divergence"]
+    assert (first["block"], first["subpath"], first["what"]) == (block, subpath, what), first
+    printed = " ".join(ranks[0].stdout.split())  # lines wrapped at the terminal's width
+    assert f"forward: no divergence; backward: block {block} {subpath} " in printed
+    if what == "replicas":  # each rank's input gradient is its own share: the replicas split there
+        assert "replicas disagree: rank 1 differs from rank 0 in the input gradient" in printed
+        # drilled down to the projection whose backward lacks the all-reduce
+        assert f"first divergent child: model.layers.{block}.self_attn.q_proj" in printed
+    else:
+        assert not any("replicas disagree" in note for note in data["backward"]["notes"])
+    assert ranks[1].stdout == ""
+
+
 
 
 def test_cli_rank_zero_reports_and_every_rank_exits_alike(tmp_path):

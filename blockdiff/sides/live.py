@@ -14,6 +14,7 @@ one :class:`~blockdiff.hooking.Hooks` context and is undone in its ``finally``.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -477,6 +478,7 @@ class LiveSide(SideDefaults):
             def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
                 if not over[0]:
                     calls[path] = calls.get(path, -1) + 1
+                    found.order.append((path, calls[path]))
                 loc = hidden_location(args, kwargs, options.activations)
                 tensor = None if loc is None else (args[loc[1]] if loc[0] == "arg" else kwargs[loc[1]])
                 if tensor is None or not tensor.requires_grad:
@@ -548,16 +550,32 @@ class LiveSide(SideDefaults):
             out = primary_tensor(self.runnable(path, module)(*args, **kwargs))
             if out is None or not out.requires_grad:
                 raise PairingError(f"{call.label}: the module returned no tensor that depends on its inputs or weights")
-            if out.numel() != grad.numel():
-                raise PairingError(
-                    f"{call.label}: the gradient of its output has shape {list(grad.shape)}, its output {list(out.shape)}"
-                )
-            seed = replayed_copy(grad, out.device, out.dtype).reshape(out.shape)
+            seed = self._seed(path, call, out, grad)
             wrt = [*leaves.values(), *(p for _, p in params)]
             grads = torch.autograd.grad(out, wrt, seed, allow_unused=True)
         found = [g.detach() if g is not None else torch.zeros_like(t) for g, t in zip(grads, wrt)]
         inputs = dict(zip(leaves, found[: len(leaves)]))
-        return inputs, {name: g.to("cpu") for (name, _), g in zip(params, found[len(leaves):])}
+        return self._whole_gradients(call, inputs, {name: g for (name, _), g in zip(params, found[len(leaves):])})
+
+    def _seed(self, path: str, call: Site, out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient ``grad`` of module ``path``'s whole primary output, shaped, placed and
+        typed as that output ``out`` is: what its backward starts from.
+
+        Raises:
+            PairingError: ``grad`` has another number of elements than ``out``.
+        """
+        if out.numel() != grad.numel():
+            raise PairingError(
+                f"{call.label}: the gradient of its output has shape {list(grad.shape)}, its output {list(out.shape)}"
+            )
+        return replayed_copy(grad, out.device, out.dtype).reshape(out.shape)
+
+    def _whole_gradients(
+        self, call: Site, inputs: Hidden, params: dict[str, torch.Tensor]
+    ) -> tuple[Hidden, dict[str, torch.Tensor]]:
+        """A module backward's gradients as the record compares them: its activations' as
+        they are, its parameters' on the CPU (a sharded side makes both whole)."""
+        return inputs, {name: g.to("cpu") for name, g in params.items()}
 
     def child_gradients(
         self, path: str, call: Site, hidden: Hidden, grad: torch.Tensor, *, depth: int = 2
@@ -748,6 +766,9 @@ class Gradients:
             one the loss does not depend on).
         loss: the loss's value.
         calls: module path → how many times the forward called it.
+        order: every (module path, call) in the order the forward started them.
+        replicas: for a side split across ranks, the first gradient in backward order
+            whose replicas differ across ranks (:class:`ReplicaSplit`), else ``None``.
     """
 
     def __init__(self) -> None:
@@ -756,6 +777,21 @@ class Gradients:
         self.parameters: dict[str, torch.Tensor] = {}
         self.loss = float("nan")
         self.calls: dict[str, int] = {}
+        self.order: list[tuple[str, int]] = []
+        self.replicas: ReplicaSplit | None = None
+
+
+@dataclass
+class ReplicaSplit:
+    """A gradient every rank holds whole whose replicas differ: at ``key`` (module path,
+    call), ``which`` one in words (``input gradient``, ``output gradient``, ``parameter
+    gradient: q_norm.weight``); ``ranks`` differ from rank 0, ``measured`` the worst of
+    them against rank 0's."""
+
+    key: tuple[str, int]
+    which: str
+    ranks: list[int]
+    measured: Any
 
 
 @contextlib.contextmanager
@@ -771,4 +807,4 @@ def _requiring_grad(params: list[torch.Tensor]) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
-__all__ = ["LiveSide", "PrecisionSide", "cache_buffers", "eval_mode", "Gradients"]
+__all__ = ["LiveSide", "PrecisionSide", "cache_buffers", "eval_mode", "Gradients", "ReplicaSplit"]

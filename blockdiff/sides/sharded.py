@@ -22,7 +22,7 @@ from torch import nn
 from .. import distributed
 from ..capture import Recording, record_once
 from ..compare import Metrics, metrics
-from ..errors import PairingError
+from ..errors import InputError, PairingError
 from ..hookmap import Layout
 from ..inputs import Inputs
 from ..pairing import output_position
@@ -30,9 +30,9 @@ from ..report import BlockResult, Check, SubpathResult
 from ..site import Opaque, Site, describe_key, map_opaque, map_structure, primary_tensor, replace_primary
 from ..store import MemoryStore, SiteStore
 from ..tolerance import Threshold
-from ..vocab import REPLICAS, reported_subpath
+from ..vocab import INPUT_GRADIENT, OUTPUT_GRADIENT, PARAMETER_GRADIENT, REPLICAS, reported_subpath
 from . import Frozen, Hidden, Judged, Judging, Side
-from .live import LiveSide
+from .live import Gradients, LiveSide, ReplicaSplit
 
 
 class ShardedSide(LiveSide):
@@ -103,6 +103,58 @@ class ShardedSide(LiveSide):
         out, reached = super().run_block(path, call, hidden, modules, frozen)
         return self._whole(path, out), reached
 
+    # -- backward (blockdiff.backward) --------------------------------------------------------
+
+    def record_gradients(self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True) -> Gradients:
+        """The free-running backward on every rank (:meth:`LiveSide.record_gradients`), its
+        gradients whole — a local shard's gathered by the layout its site's tensor had —
+        and the first gradient in backward order whose replicas differ across ranks
+        (``replicas``): every rank holds each recorded gradient whole and should compute
+        the same bits, as in the forward."""
+        # Every parameter's gradient too, for the replicas: a parameter every rank holds
+        # whole (a norm's weight) whose gradient is each rank's partial sum is a split.
+        found = super().record_gradients(inputs, loss, parameters=True)
+        for key in sorted(found.outputs):  # the same order on every rank: collectives
+            path = key[0]
+            declared = self.layout.options(path).shard_output
+            found.outputs[key] = distributed.made_whole(found.outputs[key], self.module(path), declared)
+        for key in sorted(found.inputs):
+            declared = self.layout.options(key[0]).shard_input
+            if declared is not None:
+                found.inputs[key] = distributed.declared_whole(found.inputs[key], declared)
+        found.replicas = gradient_split(found)
+        if not parameters:
+            found.parameters = {}
+        return found
+
+    def _seed(self, path: str, call: Site, out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The whole output gradient ``grad`` as this rank's part of the output ``out``: a
+        ``DTensor`` of its mesh and placements (a partial output's gradient is every
+        rank's whole), or a plain local shard's slice along the dimension its hook map
+        declares or its parallelization shows."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if isinstance(out, DTensor):
+            placements = tuple(Replicate() if p.is_partial() else p for p in out.placements)
+            return distributed.laid_out(super()._seed(path, call, out, grad), out.device_mesh, placements)
+        declared = self.layout.options(path).shard_output
+        dim = distributed.local_output_dim(self.module(path), out) if declared is None else declared
+        if dim is None:
+            dim = _split_dim(grad, out)
+        if dim is not None and grad.dim() == out.dim():
+            grad = grad.chunk(distributed.world(), dim=dim)[distributed.rank()]
+        return super()._seed(path, call, out, grad)
+
+    def _whole_gradients(
+        self, call: Site, inputs: Hidden, params: dict[str, torch.Tensor]
+    ) -> tuple[Hidden, dict[str, torch.Tensor]]:
+        """Whole on every rank: an activation handed over in a sharded layout gets its
+        gradient on each rank's part only (summed over ranks); a ``DTensor`` parameter's
+        gradient is gathered."""
+        own = call.hidden_inputs()
+        inputs = {role: distributed.summed(g) if distributed.sharded_layout(own.get(role)) else g for role, g in inputs.items()}
+        return inputs, {name: distributed.whole(g, "cpu") if distributed.is_distributed(g) else g.to("cpu") for name, g in params.items()}
+
 
 class PipelineSide(LiveSide):
     """A model split into pipeline stages, one per rank of a launched run: each rank holds
@@ -134,6 +186,14 @@ class PipelineSide(LiveSide):
     @property
     def own_layout(self) -> Layout:
         return self.own
+
+    def record_gradients(self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True) -> Gradients:
+        """Refused: a pipeline's stages hand activations over point to point, outside
+        autograd, so its backward is not the model's."""
+        raise InputError(
+            "--backward does not run a pipeline-parallel candidate: its stages hand activations over outside autograd "
+            "(diff its forward, or run --backward on the model in one process or tensor-parallel)"
+        )
 
     def holds(self, block: int | None, module: str) -> bool:
         """Whether this rank judges block ``block``, or (``block`` None) the stage module
@@ -202,6 +262,17 @@ class PipelineSide(LiveSide):
             by_index[after].subpaths.setdefault("residual", SubpathResult("checked", order=at)).checks.insert(0, check)
 
 
+def _split_dim(whole: torch.Tensor, local: torch.Tensor) -> int | None:
+    """The one dimension along which ``local`` is a rank's share of ``whole`` (as wide as
+    ``whole`` over the world size there, equal elsewhere: a module that returns its local
+    heads, say); ``None`` when there is no such dimension, or more than one."""
+    if whole.dim() != local.dim():
+        return None
+    world = distributed.world()
+    found = [d for d, (w, n) in enumerate(zip(whole.shape, local.shape)) if w != n]
+    return found[0] if len(found) == 1 and whole.shape[found[0]] == local.shape[found[0]] * world else None
+
+
 def _block_site(side: Side, index: int) -> Site:
     """Block ``index``'s own site (its input and output) in ``side``'s record."""
     return next(s for s in side.store.block_sites(index) if s.subpath is None)
@@ -259,22 +330,53 @@ def replica_disagreement(sites: list[Any], *, dtype: torch.dtype | None = None) 
     every rank: (site, the ranks that differ from rank 0, the worst of their metrics
     against rank 0's). ``None`` when every replica agrees. Collective: every rank passes
     the same sites (its own record of them)."""
+    ordered = sorted(sites, key=output_position)
+    found = _first_split([s.primary_output() for s in ordered], dtype=dtype)
+    return None if found is None else (ordered[found[0]], found[1], found[2])
+
+
+def gradient_split(found: Gradients, *, dtype: torch.dtype | None = None) -> ReplicaSplit | None:
+    """The first gradient of a free-running backward that is not the same bits on every
+    rank, in backward order: the sites last started first; at each, its output's gradient,
+    then (at its last call) the gradients of the parameters it is the innermost site of,
+    then its input's. Collective: every rank passes its own record of the same run."""
+    paths = list(dict.fromkeys(path for path, _ in found.order))
+    owned: dict[str, list[str]] = {}
+    for name in found.parameters:
+        owner = max((p for p in paths if name.startswith(p + ".") or not p), key=len, default=None)
+        if owner is not None:
+            owned.setdefault(owner, []).append(name)
+    order: list[tuple[tuple[str, int], str, torch.Tensor | None]] = []
+    for key in reversed(found.order):
+        order.append((key, OUTPUT_GRADIENT, found.outputs.get(key)))
+        for name in owned.pop(key[0], []):  # the first met in backward order: its last call
+            relative = name[len(key[0]) + 1:] if key[0] else name
+            order.append((key, PARAMETER_GRADIENT.format(relative), found.parameters[name]))
+        order.append((key, INPUT_GRADIENT, found.inputs.get(key)))
+    split = _first_split([t for _, _, t in order], dtype=dtype)
+    if split is None:
+        return None
+    index, ranks, measured = split
+    return ReplicaSplit(order[index][0], order[index][1], ranks, measured)
+
+
+def _first_split(tensors: list[torch.Tensor | None], *, dtype: torch.dtype | None) -> tuple[int, list[int], Metrics] | None:
+    """The index of the first of ``tensors`` whose bits differ across ranks, the ranks that
+    differ from rank 0, and the worst of their metrics against rank 0's; ``None`` when
+    every rank holds the same bits in each. One collective for the digests, one for the
+    tensor that differs."""
     import torch.distributed as dist
 
-    ordered = sorted(sites, key=output_position)
-    mine = [_digest(s.primary_output()) for s in ordered]
-    every = distributed.every_rank(mine)
-    for index, site in enumerate(ordered):
+    every = distributed.every_rank([_digest(t) for t in tensors])
+    for index, t in enumerate(tensors):
         digests = [found[index] for found in every]
-        if len(set(digests)) == 1:
+        if len(set(digests)) == 1 or t is None:
             continue
         ranks = [r for r, d in enumerate(digests) if d != digests[0]]
-        out = site.primary_output()
-        parts = [torch.empty_like(out) for _ in every]
-        dist.all_gather(parts, out.contiguous(), group=distributed.group_for(out))
-        worst_found = max((metrics(parts[0], parts[r], dtype=dtype) for r in ranks), key=lambda m: m.rel_l2)
-        return site, ranks, worst_found
+        parts = [torch.empty_like(t) for _ in every]
+        dist.all_gather(parts, t.contiguous(), group=distributed.group_for(t))
+        return index, ranks, max((metrics(parts[0], parts[r], dtype=dtype) for r in ranks), key=lambda m: m.rel_l2)
     return None
 
 
-__all__ = ["ShardedSide", "PipelineSide", "every_rank_sites", "merged_layout", "replica_disagreement"]
+__all__ = ["ShardedSide", "PipelineSide", "every_rank_sites", "gradient_split", "merged_layout", "replica_disagreement"]
