@@ -26,7 +26,7 @@ from typing import Any
 
 from .errors import BlockdiffError
 from .plot import figure
-from .report import Report
+from .report import Report, named_headline
 from .view import (
     drill_down,
     LEGEND,
@@ -100,7 +100,7 @@ def _cell(cell: Cell, *, blank: bool = False) -> str:
     )
 
 
-def _heat_table(cols: list[Column]) -> str:
+def _heat_table(cols: list[Column], *, name: str = "heatmap") -> str:
     head = "".join(f"<th>{_e(name)}</th>" for name in ROWS)
     rows = []
     for col in cols:
@@ -110,7 +110,7 @@ def _heat_table(cols: list[Column]) -> str:
             f"{cells}<td>{_e(fmt(col.drift))}</td></tr>"
         )
     return (
-        '<table class="heat" id="heatmap">\n'
+        f'<table class="heat" id="{name}">\n'
         f'<thead><tr><th class="name">site</th>{head}<th>drift</th></tr></thead>\n'
         "<tbody>\n" + "\n".join(rows) + "\n</tbody>\n</table>"
     )
@@ -207,8 +207,12 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
         "<body>",
         "<h1>blockdiff report</h1>",
     ]
+    if report.backward is not None:  # --backward: both verdicts, apart
+        state = "diverged" if report.diverged else "clean"
+        parts.append(f'<p class="verdict {state}" id="verdict"><strong>Verdict</strong>: {_e(report.verdict())}</p>')
     if first:
-        parts.append(f'<p class="verdict diverged" id="verdict"><strong>First divergence</strong>: {_e(first.headline())}</p>')
+        if report.backward is None:
+            parts.append(f'<p class="verdict diverged" id="verdict"><strong>First divergence</strong>: {_e(first.headline())}</p>')
         if first.subpath == UNATTRIBUTED:
             parts.append(
                 "<p>The block diverges but no sub-path explains it: the hook map may be missing a "
@@ -217,7 +221,7 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
         drill = drill_down(first)
         if drill is not None:
             parts.append(f'<p id="drill-down">{_e(drill[0].upper() + drill[1:])}</p>')
-    else:
+    elif report.backward is None:
         parts.append(
             '<p class="verdict clean" id="verdict"><strong>No divergence</strong>: '
             "every local error is within tolerance.</p>"
@@ -245,6 +249,8 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
         "and threshold. Drift: the free-running candidate against the reference.</p>"),
         _heat_table(view.columns),
     ]
+    if report.backward is not None:
+        parts += _backward_section(report.backward)
     if report.decode is not None:
         parts += [
             f"<h2>Decode steps × blocks (the table above is step {_e(report.decode.get('step'))}'s)</h2>",
@@ -291,6 +297,30 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
         "",
     ]
     return "\n".join(parts)
+
+
+def _backward_section(back: Report) -> list[str]:
+    """The gradients' report (``--backward``): its notes, its table (blocks from the last
+    to the first, as the backward runs), its first divergence drilled down, and the rest."""
+    view = View.of(back)
+    first = view.first
+    parts = [
+        '<h2 id="backward">Backward: gradients, judged from the head to the embedding</h2>',
+        ('<p class="legend">Cells: each module\'s backward from the reference\'s output gradient on the '
+         "reference's input (its input and parameter gradients, the worst shown), the residual with the "
+         "reference's own modules, the whole block; drift: the free-running candidate's input gradients.</p>"),
+    ]
+    if back.notes[1:]:  # the first is the forward's notes' already
+        parts.append('<ul class="notes">' + "".join(f"<li>note: {_e(n)}</li>" for n in back.notes[1:]) + "</ul>")
+    parts.append(_heat_table(view.columns, name="backward-heatmap"))
+    if first is not None:
+        parts.append(f'<p id="backward-first"><strong>First divergent gradient</strong>: {_e(named_headline(first))}</p>')
+        drill = drill_down(first)
+        if drill is not None:
+            parts.append(f'<p id="backward-drill-down">{_e(drill[0].upper() + drill[1:])}</p>')
+    if len(view.divergences) > 1:
+        parts.append("<ol>" + "".join(f"<li>{_e(named_headline(d))}</li>" for d in view.divergences) + "</ol>")
+    return parts
 
 
 def write_html(report: Report | dict[str, Any], path: str | Path, *, image: bool = True) -> None:

@@ -61,8 +61,9 @@ def test_a_backward_bug_is_blamed_on_its_block_subpath_and_gradient_through_the_
         (tinylm.build_moe, lambda: tinylm.build_moe().to(torch.bfloat16)),
         (tinylm.build, backward_bugs.checkpointed),
         (tinylm.build, lambda: backward_bugs.checkpointed().to(torch.bfloat16)),
+        (tinylm.build, lambda: torch.compile(tinylm.build(), backend="aot_eager")),
     ],
-    ids=["tinylm-bf16", "hf-llama-bf16", "moe-bf16", "checkpointed", "checkpointed-bf16"],
+    ids=["tinylm-bf16", "hf-llama-bf16", "moe-bf16", "checkpointed", "checkpointed-bf16", "compiled"],
 )
 def test_clean_backwards_blame_nothing(reference, candidate):
     report = run(reference(), candidate(), IDS, options=Options(backward=True))
@@ -145,6 +146,15 @@ def test_the_backward_report_round_trips_and_reports_without_one_still_read(tmp_
     assert "backward" not in plain and Report.from_dict(plain).backward is None
     plain["schema"] = "blockdiff.report/1"
     assert Report.from_dict(plain).verdict() == "no divergence"
+    # The HTML page says both verdicts and shows the gradients' table, from the saved JSON too.
+    from blockdiff.html import document
+
+    page = document(data, image=False)
+    assert 'class="verdict diverged" id="verdict"><strong>Verdict</strong>: forward: no divergence; backward: block 1 residual' in page
+    assert "No divergence</strong>: every local error" not in page
+    assert 'id="backward"' in page and page.count('<table class="heat"') == 2 and 'id="backward-heatmap"' in page
+    assert "First divergent gradient</strong>: block 1 residual (input gradient)" in page
+    assert 'id="backward"' not in document(plain, image=False)
 
 
 def test_the_assertion_judges_the_backward():
