@@ -483,10 +483,14 @@ BACKWARD_BUGS = {
     "input_grad_not_all_reduced": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "attention", "replicas"),
     "row_weight_grad_scaled": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "ffn", "parameter gradient: down_proj.weight"),
 }
-# found, not planted: the natural plan leaves Qwen3's per-head norm weights plain tensors,
-# whose gradient each rank sums over its own heads only (the last block is the first blamed)
+# found, not planted → (reference, blamed block, sub-path, the gradient whose replicas split):
+# the natural plan leaves Qwen3's per-head norm weights plain tensors, whose gradient each
+# rank sums over its own heads only (the last block is the first blamed)
 BACKWARD_FOUND = {
     "heads_norm_grads_not_reduced": ("samples/hf_llama.py:build_qwen3", 3, "attention", "parameter gradient: q_norm.weight"),
+    # the expert-parallel sample is forward-only: nothing all-reduces its MoE's input
+    # gradient, each rank's is its own experts' share (first seen at the router's output)
+    "tinylm_ep": ("samples/sharded.py:tinylm_moe", 3, "ffn", "output gradient"),
 }
 # clean sharded samples whose backward is the model's → their single-device reference
 BACKWARD_CLEAN = {

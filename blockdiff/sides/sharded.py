@@ -122,10 +122,20 @@ class ShardedSide(LiveSide):
             declared = self.layout.options(key[0]).shard_input
             if declared is not None:
                 found.inputs[key] = distributed.declared_whole(found.inputs[key], declared)
-        found.replicas = gradient_split(found)
+        found.replicas = gradient_split(found, replicated=self._replicated_parameters())
         if not parameters:
             found.parameters = {}
         return found
+
+    def _replicated_parameters(self) -> set[str]:
+        """The parameters every rank holds the same bits of (a ``DTensor``'s whole value is
+        one on every rank): replicas, whose gradients must agree too. A plain parameter
+        that differs across ranks is each rank's own shard (hand-sharded weights, experts
+        of their own), whose gradient differs as it does."""
+        named = [(name, p) for name, p in self.module("").named_parameters() if p.is_floating_point()]
+        mine = ["" if distributed.is_distributed(p) else _digest(p.detach()) for _, p in named]
+        every = distributed.every_rank(mine)
+        return {name for index, (name, _) in enumerate(named) if len({found[index] for found in every}) == 1}
 
     def _seed(self, path: str, call: Site, out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The whole output gradient ``grad`` as this rank's part of the output ``out``: a
@@ -335,14 +345,19 @@ def replica_disagreement(sites: list[Any], *, dtype: torch.dtype | None = None) 
     return None if found is None else (ordered[found[0]], found[1], found[2])
 
 
-def gradient_split(found: Gradients, *, dtype: torch.dtype | None = None) -> ReplicaSplit | None:
+def gradient_split(
+    found: Gradients, *, replicated: set[str] | None = None, dtype: torch.dtype | None = None
+) -> ReplicaSplit | None:
     """The first gradient of a free-running backward that is not the same bits on every
     rank, in backward order: the sites last started first; at each, its output's gradient,
-    then (at its last call) the gradients of the parameters it is the innermost site of,
-    then its input's. Collective: every rank passes its own record of the same run."""
+    then (at its last call) the gradients of the parameters it is the innermost site of
+    (of those in ``replicated``, when given), then its input's. Collective: every rank
+    passes its own record of the same run."""
     paths = list(dict.fromkeys(path for path, _ in found.order))
     owned: dict[str, list[str]] = {}
     for name in found.parameters:
+        if replicated is not None and name not in replicated:
+            continue
         owner = max((p for p in paths if name.startswith(p + ".") or not p), key=len, default=None)
         if owner is not None:
             owned.setdefault(owner, []).append(name)
