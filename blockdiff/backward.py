@@ -366,11 +366,27 @@ class BackwardExperiments:
         if grad is None or expected is None:
             return None
         hidden = rb.hidden_inputs()
-        replaced = self.by_reference(self.cand, cb.module, [(s, pair.cand[k]) for k, s in pair.ref.items()]) if residual else None
+        routers = [] if residual else list(pair.routing().values())
+        if routers:
+            # The whole block with every MoE router frozen at the reference's decision, as
+            # the forward's whole-block experiment runs: a precision flip of a near-tie token
+            # is no block error (the router is judged alone). Its expected gradient is the
+            # reference block's own backward, routing frozen alike.
+            own_routing = self.routing_frozen(self.ref, rb.module, [(r, r) for r, _ in routers])
+            expected = self.ref.backward_module(rb.module, rb, hidden, grad, replaced=own_routing, parameters=False)[0].get("primary")  # type: ignore[attr-defined]
+            if expected is None:
+                return None
+        if residual:
+            replaced = self.by_reference(self.cand, cb.module, [(s, pair.cand[k]) for k, s in pair.ref.items()])
+        else:
+            replaced = self.routing_frozen(self.cand, cb.module, routers) or None
         got = self.cand.backward_module(cb.module, cb, hidden, grad, replaced=replaced, parameters=False)[0]  # type: ignore[attr-defined]
 
         def measure(side: Side) -> Any:
-            own = self.by_reference(side, rb.module, [(s, s) for s in pair.ref.values()]) if residual else None
+            if residual:
+                own = self.by_reference(side, rb.module, [(s, s) for s in pair.ref.values()])
+            else:
+                own = self.routing_frozen(side, rb.module, [(r, r) for r, _ in routers]) or None
             return side.backward_module(rb.module, rb, hidden, grad, replaced=own, parameters=False)[0]  # type: ignore[attr-defined]
 
         floor = self._floor_run(rb, cb, got, measure)
@@ -424,6 +440,34 @@ class BackwardExperiments:
             return wrapped
 
         return {path[len(block) + 1:]: make(path, calls) for path, calls in by_module.items()}
+
+    def routing_frozen(self, side: Side, block: str, routers: list[tuple[Site, Site]]) -> dict[str, Callable[[Callable], Callable]]:
+        """For a backward of ``side``'s block ``block``: each router answering with the
+        reference's recorded decision (logits, weights, indices), cast like ``side``'s own
+        output of that call; no gradient flows through it. ``routers``: (reference router
+        site, ``side``'s router site of that call)."""
+        by_module: dict[str, dict[int, tuple[Site, Site]]] = {}
+        for r, own in routers:
+            by_module.setdefault(own.module, {})[own.call] = (r, own)
+        device, cast = side.device, getattr(side, "cast", None)
+
+        def make(calls: dict[int, tuple[Site, Site]]) -> Callable[[Callable], Callable]:
+            def wrapped(original: Callable) -> Callable:
+                count: dict[int, int] = {}  # calls counted apart in each recomputation
+
+                def forward(*args: Any, **kwargs: Any) -> Any:
+                    task = torch._C._current_graph_task_id()
+                    call = count[task] = count.get(task, -1) + 1
+                    if call not in calls:
+                        return original(*args, **kwargs)
+                    r, own = calls[call]
+                    return _like(r.output, for_replay(own.output, device=device, dtype=cast))
+
+                return forward
+
+            return wrapped
+
+        return {path[len(block) + 1:]: make(calls) for path, calls in by_module.items()}
 
     def drift(self, r: Site, c: Site, *, judged: bool) -> tuple[Metrics | None, Check | None]:
         """The free-running candidate's input gradient at a site against the reference's
