@@ -7,7 +7,10 @@ vocab 32000; batch 1, seq 256, float32, CPU, 2 threads) it prints each figure as
 2. capture streamed to HDF5 / plain forward                     (goal <= 1.25)
 3. HDF5 write throughput / numpy.tofile of the same bytes       (goal >= 0.85)
 4. full diff with localization / (reference + candidate forward) (goal <= 2.5)
-5. the same with a bfloat16 candidate, calibrated floors (goal <= 3.0)
+5. the same with a bfloat16 candidate, calibrated floors (goal <= 3.0), with this CPU's
+   bfloat16 / float32 forward-time ratio measured beside it (a CPU without bfloat16 units
+   runs bfloat16 slower than float32, and every bfloat16 experiment weighs more there);
+   ``--emulate-avx2`` measures it again in a process limited to AVX2 (such a CPU)
 6. peak RSS of a streamed diff at 8 and 32 blocks, minus weights (goal: grows by at most
    one block's activations); measured as the diff's peak above the RSS it starts from,
    with both models already built (the peak counter is reset first: Linux only)
@@ -24,6 +27,7 @@ with CRC-32C checksums against the same dump written with ``checksums=False``.
     python benchmarks/overhead.py --quick    # smaller model, for a smoke run
     python benchmarks/overhead.py --device cuda   # capture overhead of a CUDA model (figures 1, 2)
     python benchmarks/overhead.py --only 5        # one figure (2: streamed capture, 3: dump writes, 5: the mixed-precision diff)
+    python benchmarks/overhead.py --only 5 --emulate-avx2   # figure 5 here and as on a CPU without bfloat16 units
 """
 
 from __future__ import annotations
@@ -324,9 +328,14 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
     parser.add_argument("--quick", action="store_true", help="a smaller model, for a smoke run")
     parser.add_argument("--device", default="cpu", help="overhead.py: measure capture on this device (cuda)")
     parser.add_argument("--only", type=int, choices=(2, 3, 5), help="overhead.py: measure this figure alone")
+    parser.add_argument(
+        "--emulate-avx2", action="store_true",
+        help="overhead.py: figure 5 again in a process limited to AVX2 (a CPU without bfloat16 units)",
+    )
     args = parser.parse_args()
     DEVICE[0] = torch.device(args.device)
     ONLY[0] = args.only
+    EMULATE[0] = args.emulate_avx2
     torch.set_num_threads(2)
     sizes, seq = dict(hidden=512, intermediate=1376, vocab=32000), 256
     if args.quick:
@@ -337,6 +346,7 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
 
 DEVICE = [torch.device("cpu")]  # --device
 ONLY: list[int | None] = [None]  # --only
+EMULATE = [False]  # --emulate-avx2
 
 
 def streamed_capture(model, ids, folder: Path, repeat: int) -> dict[str, float | str]:
@@ -378,10 +388,52 @@ def on_device(sizes: dict, ids: torch.Tensor, repeat: int) -> None:
     print(f"2. capture streamed to HDF5 / forward     {streamed / plain:8.3f}   (goal <= 1.25)")
 
 
+def mixed_precision(reference, bf16, ids, repeat: int) -> dict:
+    """Figure 5 (each diff between two pairs of forwards, see :func:`interleaved`) and, in
+    the same run, this CPU's bfloat16 / float32 forward-time ratio: the median over
+    ``repeat`` pairs of forwards of the two models, one after the other."""
+    mixed = interleaved(lambda: (forward(reference, ids), forward(bf16, ids)), lambda: diff(reference, bf16, ids), repeat)
+    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    for _ in range(repeat):
+        for name, model in (("fp32", reference), ("bf16", bf16)):
+            gc.collect()
+            start = time.perf_counter()
+            forward(model, ids)
+            times[name].append(time.perf_counter() - start)
+    mixed["bf16/fp32"] = statistics.median(b / f for f, b in zip(times["fp32"], times["bf16"]))
+    mixed.update({name: statistics.median(t) for name, t in times.items()})
+    return mixed
+
+
+# What limits PyTorch and oneDNN to AVX2, as on a CPU without AVX-512 or AMX bfloat16
+# units: oneDNN's limit is the one that makes its bfloat16 matmuls slow (PyTorch's alone
+# leaves them on the bfloat16 units); DNNL_ is the older spelling of ONEDNN_.
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"}
+
+
 def mixed_line(mixed: dict) -> str:
-    """Figure 5 as printed."""
-    return (f"5. diff fp32 vs bf16, calibrated / (ref + cand forward) {mixed['wall']:6.3f}   (goal <= 3.0)   "
-            f"[wall, pairs {mixed['wall range']}; CPU time {mixed['cpu']:.3f}, pairs {mixed['cpu range']}]")
+    """Figure 5 as printed, and the forward-time ratio that says which kind of CPU it ran on."""
+    return "\n".join((
+        f"5. diff fp32 vs bf16, calibrated / (ref + cand forward) {mixed['wall']:6.3f}   (goal <= 3.0)   "
+        f"[wall, pairs {mixed['wall range']}; CPU time {mixed['cpu']:.3f}, pairs {mixed['cpu range']}]",
+        f"   this CPU ({torch.backends.cpu.get_cpu_capability()}): bf16 / fp32 forward {mixed['bf16/fp32']:.2f} "
+        f"(fp32 {mixed['fp32'] * 1e3:.1f} ms, bf16 {mixed['bf16'] * 1e3:.1f} ms; median of pairs)",
+    ))
+
+
+def emulated_avx2(quick: bool) -> None:
+    """Figure 5 measured again in a process of its own limited to AVX2 (:data:`AVX2`), as
+    on a CPU that runs bfloat16 slower than float32: its figure-5 lines."""
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--only", "5", *(["--quick"] if quick else [])],
+        capture_output=True, text=True, env={**os.environ, **AVX2}, timeout=3600,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("5.", "   this CPU"))]
+    print(f"   emulated AVX2-only CPU ({' '.join(f'{k}={v}' for k, v in AVX2.items())}), a process of its own:")
+    if done.returncode != 0 or not lines:
+        print(f"   not measured (exit {done.returncode}) {done.stderr.strip()[-300:]}")
+    for line in lines:
+        print(f"   {line}")
 
 
 def main() -> None:
@@ -396,8 +448,9 @@ def main() -> None:
           f"float32, CPU, {torch.get_num_threads()} threads")
     if ONLY[0] == 5:
         reference, bf16 = build(8, **sizes), build(8, **sizes).to(torch.bfloat16)
-        mixed = interleaved(lambda: (forward(reference, ids), forward(bf16, ids)), lambda: diff(reference, bf16, ids), repeat)
-        print(mixed_line(mixed))
+        print(mixed_line(mixed_precision(reference, bf16, ids, repeat)))
+        if EMULATE[0]:
+            emulated_avx2(quick)
         return
     if ONLY[0] == 2:
         with tempfile.TemporaryDirectory() as tmp:
@@ -432,7 +485,7 @@ def main() -> None:
     everywhere = timed(lambda: diff(reference, differing, ids), max(1, repeat // 2))
     everywhere_fast = timed(lambda: diff(reference, differing, ids, fast_path=True), max(1, repeat // 2))
     bf16 = candidate.to(torch.bfloat16)
-    mixed = interleaved(lambda: (forward(reference, ids), forward(bf16, ids)), lambda: diff(reference, bf16, ids), repeat)
+    mixed = mixed_precision(reference, bf16, ids, repeat)
 
     print(f"plain forward                             {plain * 1e3:8.1f} ms")
     print(f"1. capture to memory / forward            {in_memory['wall']:8.3f}   (goal <= 1.08)   "
@@ -443,6 +496,8 @@ def main() -> None:
     print(f"   the same, candidate weights x (1 + 1e-6 noise): {everywhere / two_differing:.3f}   "
           f"--fast: {everywhere_fast / two_differing:.3f}   (every experiment runs)")
     print(mixed_line(mixed))
+    if EMULATE[0]:
+        emulated_avx2(quick)
 
     small, large = (2, 4) if quick else (8, 16)
     a, b = peak_rss(small, sizes, seq, "capture"), peak_rss(large, sizes, seq, "capture")

@@ -15,7 +15,9 @@ what comes out with what the reference recorded:
 
 Under the calibrated policy, :meth:`Experiments.with_floor` runs the same experiment on
 the reference's own code at the candidate's precision (:class:`~blockdiff.sides.live.PrecisionSide`):
-the check's noise floor.
+the check's noise floor. When the candidate *is* that code (a model against its own cast)
+and a floor experiment's call is bit for bit the one the candidate's check made, the
+floor is that check's output, not a second run (:meth:`Experiments.floor_is_check`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .hookmap import BlockLayout
 from .pairing import BlockPair, in_order
 from .report import Check
 from .sides import Frozen, Side, received_dtype
-from .site import Opaque, Site, describe_key, map_opaque, map_structure, primary_tensor
+from .site import Opaque, Site, describe_key, map_opaque, map_structure, primary_tensor, replace_primary, with_hidden
 from .tolerance import Tolerance, working_dtype
 from .store import SiteStore
 from .vocab import BLOCK_TARGET, DRIFT
@@ -121,9 +123,67 @@ class Experiments:
         worst rank's and a floor is each rank's own."""
         if compared is not None and not self.cand.lockstep:
             expected, cand, found = compared
-            if expected is ref and cand.stride() == got.stride() and same_bits({"t": cand}, {"t": got}):
+            if expected is ref and (cand is got or cand.stride() == got.stride() and same_bits({"t": cand}, {"t": got})):
                 return found.rel_l2
         return rel_l2(ref, got)
+
+    @property
+    def floor_runs_candidate(self) -> bool:
+        """Whether the floor side runs the candidate's own code: the engine hands the floors
+        the candidate's record as their free run exactly when the reference at the
+        candidate's precision runs as the candidate
+        (:meth:`~blockdiff.sides.live.PrecisionSide.runs_as`: the same classes, settings and
+        weights, bit for bit, on the same device under the same layout). Not at decode steps
+        (a floor experiment carries a cache of its own) nor in a sharded lockstep (a floor
+        is each rank's own)."""
+        return (
+            self.floor_side is not None
+            and self.free_run is not None
+            and self.free_run is self.cand.store
+            and not self.stateful
+            and not self.cand.lockstep
+        )
+
+    def floor_is_check(
+        self, r: Site, c: Site, hidden: dict[str, torch.Tensor], frozen: Frozen | None = None,
+        modules: tuple[dict[str, str], dict[str, str]] | None = None,
+    ) -> bool:
+        """Whether the floor experiment of the reference's call ``r`` is the experiment the
+        candidate's check ran, so that its output is the floor's, with no second run.
+
+        The floor side replays ``r`` with every floating tensor cast to its dtype; the
+        candidate replayed its own call ``c`` with the activations ``hidden`` (as the
+        candidate receives them: :func:`as_received`). When the floor side runs the
+        candidate's code (:attr:`floor_runs_candidate`), the module is the same path on
+        both, and the two calls are the same bit for bit (tensors with the same strides,
+        the same plain values, no object that is not the very same), the two runs compute
+        the same thing from the same bits. A block run with modules frozen (``frozen``: by
+        (sub-path, ordinal), the reference's site and the candidate's; ``modules``: the
+        block's modules, relative, on each side) needs each frozen module to answer the same
+        on both: the candidate's own recorded output with the reference's primary tensor
+        in it, against the reference's whole output cast — a router's decision is not
+        compared, and makes it ``False``.
+
+        Where the candidate's own rotary tables or masks differ from the reference's cast
+        (a ``inv_freq`` buffer cast with the model), the calls differ and the floor runs."""
+        if not self.floor_runs_candidate or r.module != c.module or (modules is not None and modules[0] != modules[1]):
+            return False
+        assert self.floor_side is not None
+        dtype = self.floor_side.dtype
+        own = c.hidden_inputs()
+        args, kwargs = with_hidden(c.args, c.kwargs, as_received(hidden, own), c.activations)
+        if not same_arguments((r.args, r.kwargs), (args, kwargs), dtype, strides=True):
+            return False
+        for key, (r_site, c_site) in (frozen or {}).items():
+            primary, like = r_site.primary_output(), c_site.primary_output()
+            if key[0] == "router" or r_site.module != c_site.module or primary is None or like is None:
+                return False
+            # What the candidate's frozen module answers: its own output, the reference's
+            # primary tensor in it (in its own dtype); the floor's: the reference's output, cast.
+            answers = replace_primary(c_site.output, as_received({"primary": primary}, {"primary": like})["primary"])
+            if not same_arguments(r_site.output, answers, dtype, strides=True):
+                return False
+        return True
 
     def drift(self, r: Site, c: Site) -> Metrics | None:
         """The free-running candidate's output against the reference's at one site."""
@@ -213,10 +273,16 @@ class Experiments:
         same = everywhere(out is not None and same_bits(as_received(hidden, own), own))
         if not same or not self._answered(self.cand, ("module", c.module), c, hidden):
             out = self.module_output(self.cand, c.module, c, hidden)
+        ran = out
         expected, out = self.comparable(r, c, ref_out, out)
         key = f"module:{describe_key(r.key)}"
         measured = metrics(expected, out, dtype=self.dtype)
-        floor = self.with_floor(key, lambda side: self.floor_l2(ref_out, self.floor_output(side, r), (expected, out, measured)))
+
+        def measure(side: Side) -> float:
+            got = ran if self.floor_is_check(r, c, hidden) else self.floor_output(side, r)
+            return self.floor_l2(ref_out, got, (expected, out, measured))
+
+        floor = self.with_floor(key, measure)
         check = self.check(target, "output", c.module, expected, out, floor, measured=measured)
         check.order, check.key = r.order, key
         return check
@@ -315,7 +381,11 @@ class Experiments:
             """Each compared tensor's floor, by what it is ("output", "norm#1"): for every
             module of the reference's block, so that floors a dump stores fit any candidate."""
             frozen_f = {key: (r, r) for key, (r, _) in frozen_c.items()}  # the reference's own record
-            if frozen_f:
+            if self.floor_is_check(
+                r_block, c_block, ref_in, frozen_c, (relative(pair.ref_layout), relative(pair.cand_layout))
+            ):
+                f_out, f_reached = out, reached  # the candidate's run was this very run
+            elif frozen_f:
                 f_out, f_reached = side.run_block(r_block.module, r_block, None, relative(pair.ref_layout), frozen_f)
             else:
                 f_out, f_reached = self.floor_output(side, r_block), {}
@@ -481,10 +551,17 @@ def same_call(call: Site, own: Site, dtype: torch.dtype | None) -> bool:
     """Whether ``call`` replayed with its floating tensors cast to ``dtype`` is the call
     ``own`` recorded: the same structure and plain values, every tensor the same bits, and
     no argument held by reference (an object) that is not the very same object."""
+    return same_arguments((call.args, call.kwargs), (own.args, own.kwargs), dtype)
+
+
+def same_arguments(recorded: Any, own: Any, dtype: torch.dtype | None, *, strides: bool = False) -> bool:
+    """Whether the recorded structure ``recorded``, its floating tensors cast to ``dtype``,
+    is ``own``: :func:`same_call` of any structure (a call's arguments, a module's output);
+    with ``strides``, each pair of tensors laid out alike too."""
     mine: list[torch.Tensor] = []
     theirs: list[torch.Tensor] = []
-    shape_a = map_structure((call.args, call.kwargs), lambda t: mine.append(t) or _TENSOR)
-    shape_b = map_structure((own.args, own.kwargs), lambda t: theirs.append(t) or _TENSOR)
+    shape_a = map_structure(recorded, lambda t: mine.append(t) or _TENSOR)
+    shape_b = map_structure(own, lambda t: theirs.append(t) or _TENSOR)
     if shape_a != shape_b:
         return False
     objects_a: list[Opaque] = []
@@ -496,6 +573,8 @@ def same_call(call: Site, own: Site, dtype: torch.dtype | None) -> bool:
     for a, b in zip(mine, theirs):  # one tensor at a time: most calls differ in the first
         if dtype is not None and a.is_floating_point() and dtype.is_floating_point:
             a = a.to(dtype)
+        if strides and a.stride() != b.stride() and a.numel() > 1:
+            return False
         if not same_bits({"t": a}, {"t": b}):
             return False
     return True
@@ -504,4 +583,4 @@ def same_call(call: Site, own: Site, dtype: torch.dtype | None) -> bool:
 _TENSOR = object()  # where a tensor sits in a call's structure (same_call)
 
 
-__all__ = ["Experiments", "aligned", "as_received", "check_shapes", "comparable", "relative", "same_call"]
+__all__ = ["Experiments", "aligned", "as_received", "check_shapes", "comparable", "relative", "same_arguments", "same_call"]
