@@ -13,7 +13,14 @@ vocab 32000; batch 1, seq 256, float32, CPU, 2 threads) it prints each figure as
    ``--emulate-avx2`` measures it again in a process limited to AVX2 (such a CPU)
 6. peak RSS of a streamed diff at 8 and 32 blocks, minus weights (goal: grows by at most
    one block's activations); measured as the diff's peak above the RSS it starts from,
-   with both models already built (the peak counter is reset first: Linux only)
+   with both models already built (the peak counter is reset first: Linux only), the
+   median of three processes per size with the range, and the RSS the run holds from its
+   first judged block to its last
+
+and a start-up line: ``blockdiff diff`` on the same model given as a ``config.json``, from
+the command to its first printed line, beside the imports alone. ``--real-size`` prints
+figures 1, 4 and 5 on a Llama of 501M parameters instead (built once, its build time apart;
+not in a full run: it takes minutes more than the rest).
 
 7. a decode diff of 32 steps / 32-step generation on both sides (``benchmarks/decode.py``,
    goal <= 4), and its cost per step at 16, 32, 64 steps (goal: linear)
@@ -26,13 +33,16 @@ with CRC-32C checksums against the same dump written with ``checksums=False``.
     python benchmarks/overhead.py            # about five minutes on 2 cores
     python benchmarks/overhead.py --quick    # smaller model, for a smoke run
     python benchmarks/overhead.py --device cuda   # capture overhead of a CUDA model (figures 1, 2)
-    python benchmarks/overhead.py --only 5        # one figure (2: streamed capture, 3: dump writes, 5: the mixed-precision diff)
+    python benchmarks/overhead.py --only 5        # one figure (2: streamed capture, 3: dump writes, 5: the mixed-precision diff, 6: memory)
+    python benchmarks/overhead.py --real-size     # figures 1, 4, 5 on a 501M Llama
+    python benchmarks/overhead.py --startup       # the start-up line alone
     python benchmarks/overhead.py --only 5 --emulate-avx2   # figure 5 here and as on a CPU without bfloat16 units
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -57,7 +67,9 @@ from blockdiff.site import iter_tensors  # noqa: E402
 from blockdiff.store import MemoryStore  # noqa: E402
 
 
-def build(blocks: int, *, hidden: int, intermediate: int, vocab: int, seed: int = 0) -> torch.nn.Module:
+def build(
+    blocks: int, *, hidden: int, intermediate: int, vocab: int, seed: int = 0, heads: int = 8, kv_heads: int = 8
+) -> torch.nn.Module:
     """HF Llama when transformers is installed, else the sample at the same sizes."""
     from blockdiff.weights import trained_looking_
 
@@ -66,14 +78,16 @@ def build(blocks: int, *, hidden: int, intermediate: int, vocab: int, seed: int 
 
         config = transformers.LlamaConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=blocks,
-            num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
         )
         torch.manual_seed(seed)
         model = transformers.LlamaForCausalLM(config)
     except ImportError:
         from samples import tinylm
 
-        model = tinylm.TinyLM(tinylm.Config(vocab_size=vocab, hidden=hidden, heads=8, kv_heads=8, intermediate=intermediate, blocks=blocks))
+        model = tinylm.TinyLM(tinylm.Config(
+            vocab_size=vocab, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, blocks=blocks
+        ))
     return trained_looking_(model, seed=seed).eval()
 
 
@@ -283,18 +297,26 @@ torch.set_num_threads(2)
 from overhead import build
 from blockdiff import diff
 blocks, hidden, inter, vocab, seq = map(int, sys.argv[2:7])
+import copy, gc
+from blockdiff import engine
+from blockdiff.dump.memory import release_freed_memory
 ref = build(blocks, hidden=hidden, intermediate=inter, vocab=vocab)
-cand = build(blocks, hidden=hidden, intermediate=inter, vocab=vocab)
+cand = copy.deepcopy(ref)  # what a second build() gives (seeded), bit for bit, without drawing it again
 weights = sum(p.numel() * p.element_size() for m in (ref, cand) for p in m.parameters())
 ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
-import gc
-from blockdiff.dump.memory import release_freed_memory
 gc.collect()
 release_freed_memory()  # start from a heap without the models' construction garbage
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
+judged = []  # the RSS after each block is judged, what the run holds from block to block
+def held(what, done, total):
+    if what == "localize":
+        release_freed_memory()  # what the localizer does after each block, taken first here
+        judged.append(status("VmRSS"))
+if sys.argv[7] == "stream":
+    engine.PROGRESS.set(held)
 # Reset the peak (VmHWM) after the models are built: only the diff's own peak counts.
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
@@ -307,7 +329,7 @@ if sys.argv[7] == "capture":
 else:
     diff(ref, cand, ids, stream=sys.argv[7] == "stream")
 peak = status("VmHWM")
-print(json.dumps({"peak": peak, "before": before, "weights": weights}))
+print(json.dumps({"peak": peak, "before": before, "weights": weights, "judged": judged}))
 """
 
 
@@ -320,6 +342,122 @@ def peak_rss(blocks: int, sizes: dict, seq: int, mode: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def streamed_memory(sizes: dict, seq: int, quick: bool, *, runs: int = 3) -> str:
+    """Figure 6: the diff's peak above the RSS it started from (the weights of both models
+    are already resident then: what capture and localization add), streamed at 8 and 32
+    blocks, each the median of ``runs`` processes (the sizes alternating, so that both see
+    the same machine), with the range; beside it what a streamed run holds from block to
+    block (its RSS after each judged block, first to last), and the in-memory diff once."""
+    small, large = (2, 8) if quick else (8, 32)
+    block_acts = 1 * seq * sizes["hidden"] * 4 * 8  # ~8 hidden-sized tensors recorded per block
+    peaks: dict[int, list[float]] = {small: [], large: []}
+    held: list[float] = []
+    for _ in range(runs):
+        for blocks in (small, large):
+            found = peak_rss(blocks, sizes, seq, "stream")
+            peaks[blocks].append(found["peak"] - found["before"])
+            if blocks == large:
+                held.append(found["judged"][-1] - found["judged"][0])
+    grow = statistics.median(peaks[large]) - statistics.median(peaks[small])
+    each = [b - a for a, b in zip(peaks[small], peaks[large])]
+
+    def mib(values: list[float]) -> str:
+        return f"{statistics.median(values) / 2**20:.0f} MiB ({min(values) / 2**20:.0f}-{max(values) / 2**20:.0f})"
+
+    lines = [
+        f"6. streamed diff, peak above its starting RSS, median of {runs} runs (range): {small} blocks {mib(peaks[small])}, "
+        f"{large} blocks {mib(peaks[large])}; growth {grow / 2**20:.1f} MiB = {grow / block_acts:.1f} blocks' "
+        f"activations ({block_acts / 2**20:.1f} MiB each; run by run {min(each) / block_acts:.1f} to "
+        f"{max(each) / block_acts:.1f})   (goal <= 1 block)",
+        f"   held from the first judged block to the last ({large} blocks): {statistics.median(held) / 2**20:+.1f} MiB "
+        f"(runs {', '.join(f'{h / 2**20:+.1f}' for h in held)})",
+    ]
+    a, b = peak_rss(small, sizes, seq, "memory"), peak_rss(large, sizes, seq, "memory")
+    memory = (b["peak"] - b["before"]) - (a["peak"] - a["before"])
+    lines.append(
+        f"   in-memory diff, the same (one run): {small} blocks {(a['peak'] - a['before']) / 2**20:.0f} MiB, {large} blocks "
+        f"{(b['peak'] - b['before']) / 2**20:.0f} MiB; growth {memory / 2**20:.1f} MiB = {memory / block_acts:.1f} blocks' activations"
+    )
+    return "\n".join(lines)
+
+
+# The real-size line (--real-size): a Llama of 501M parameters (16 blocks, hidden 1536, 12
+# heads over 4 key-value heads, intermediate 4096, vocab 32000).
+REAL_SIZE = dict(hidden=1536, intermediate=4096, vocab=32000, heads=12, kv_heads=4)
+
+
+def real_size(seq: int, *, repeat: int = 2) -> str:
+    """Figures 1, 4 and 5 on a model of ~0.5B parameters, built once: the candidate is a
+    copy of the reference (what a second build gives, bit for bit), cast to bfloat16 for
+    figure 5; the building's time is printed apart."""
+    start = time.perf_counter()
+    reference = build(16, **REAL_SIZE)
+    built = time.perf_counter() - start
+    start = time.perf_counter()
+    candidate = copy.deepcopy(reference)
+    copied = time.perf_counter() - start
+    ids = torch.randint(0, REAL_SIZE["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
+    layout = resolve(reference)
+    in_memory = interleaved(lambda: forward(reference, ids), lambda: record(reference, layout, MemoryStore(), ids), repeat)
+    two_forwards = timed(lambda: (forward(reference, ids), forward(candidate, ids)), repeat)
+    full = timed(lambda: diff(reference, candidate, ids), 1)
+    candidate.to(torch.bfloat16)
+    mixed = interleaved(lambda: (forward(reference, ids), forward(candidate, ids)), lambda: diff(reference, candidate, ids), repeat)
+    params = sum(p.numel() for p in reference.parameters())
+    return "\n".join((
+        f"real size: {type(reference).__name__}, {params / 1e6:.0f}M parameters, 16 blocks, batch 1, seq {seq}: built in "
+        f"{built:.1f} s, the candidate copied from it in {copied:.1f} s; two forwards {two_forwards:.2f} s",
+        f"   1. capture to memory / forward            {in_memory['wall']:8.3f}   (goal <= 1.08)   "
+        f"[wall, pairs {in_memory['wall range']}; CPU time {in_memory['cpu']:.3f}]",
+        f"   4. diff / (ref + cand forward), fp32      {full / two_forwards:8.3f}   (goal <= 2.5)",
+        f"   5. diff fp32 vs bf16, calibrated / (ref + cand forward) {mixed['wall']:6.3f}   (goal <= 3.0)   "
+        f"[wall, pairs {mixed['wall range']}; CPU time {mixed['cpu']:.3f}]",
+    ))
+
+
+def first_line(command: list[str]) -> tuple[float, float]:
+    """Seconds from starting ``command`` to its first line on stdout, and to its end."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"}
+    )
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    first = time.perf_counter() - start
+    proc.stdout.read()
+    proc.wait()
+    return first, time.perf_counter() - start
+
+
+def startup(sizes: dict, seq: int, *, runs: int = 3) -> str:
+    """The time from the command to the first printed line of ``blockdiff diff`` on the
+    model of figures 1-5 given as a ``config.json`` (both sides built from it), the median
+    of ``runs`` with the range; beside it, in the same turns, a process that only imports
+    what that command imports (torch, transformers' Llama, blockdiff's CLI and engine)."""
+    try:
+        import transformers
+    except ImportError:
+        return "start-up: not measured (the model is given as a Hugging Face config.json: needs transformers)"
+    imports = "import torch, blockdiff.cli, blockdiff.engine; from transformers import LlamaForCausalLM"
+    with tempfile.TemporaryDirectory() as tmp:
+        transformers.LlamaConfig(
+            vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
+            num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
+            architectures=["LlamaForCausalLM"],
+        ).save_pretrained(tmp)
+        command = [sys.executable, "-m", "blockdiff", "diff", str(Path(tmp) / "config.json"), "--batch", "1", "--seq", str(seq)]
+        runs_ = [(first_line(command), first_line([sys.executable, "-c", imports])[1]) for _ in range(runs)]
+    first = [f for (f, _), _ in runs_]
+    total = [t for (_, t), _ in runs_]
+    bare = [b for _, b in runs_]
+
+    def seconds(values: list[float]) -> str:
+        return f"{statistics.median(values):.1f} s ({min(values):.1f}-{max(values):.1f})"
+
+    return (f"start-up: blockdiff diff CONFIG.json --batch 1 --seq {seq}, to its first printed line {seconds(first)}, "
+            f"to its end {seconds(total)}; the imports alone {seconds(bare)} (median of {runs} runs, range)")
+
+
 def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]:
     """What every benchmark here measures on: ``--quick`` or not from the command line,
     two threads; returns the model sizes, sequence length, repeats, token ids (batch 1)
@@ -327,7 +465,9 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, for a smoke run")
     parser.add_argument("--device", default="cpu", help="overhead.py: measure capture on this device (cuda)")
-    parser.add_argument("--only", type=int, choices=(2, 3, 5), help="overhead.py: measure this figure alone")
+    parser.add_argument("--only", type=int, choices=(2, 3, 5, 6), help="overhead.py: measure this figure alone")
+    parser.add_argument("--real-size", action="store_true", help="overhead.py: figures 1, 4, 5 on a 501M Llama alone")
+    parser.add_argument("--startup", action="store_true", help="overhead.py: the start-up line alone")
     parser.add_argument(
         "--emulate-avx2", action="store_true",
         help="overhead.py: figure 5 again in a process limited to AVX2 (a CPU without bfloat16 units)",
@@ -335,6 +475,7 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
     args = parser.parse_args()
     DEVICE[0] = torch.device(args.device)
     ONLY[0] = args.only
+    LINES.update(real_size=args.real_size, startup=args.startup)
     EMULATE[0] = args.emulate_avx2
     torch.set_num_threads(2)
     sizes, seq = dict(hidden=512, intermediate=1376, vocab=32000), 256
@@ -346,6 +487,7 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
 
 DEVICE = [torch.device("cpu")]  # --device
 ONLY: list[int | None] = [None]  # --only
+LINES = {"real_size": False, "startup": False}  # --real-size, --startup
 EMULATE = [False]  # --emulate-avx2
 
 
@@ -456,6 +598,15 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             print(streamed_line(streamed_capture(model, ids, Path(tmp), repeat)))
         return
+    if ONLY[0] == 6:
+        print(streamed_memory(sizes, seq, quick))
+        return
+    if LINES["startup"]:
+        print(startup(sizes, seq))
+        return
+    if LINES["real_size"]:
+        print(real_size(seq))
+        return
     if ONLY[0] == 3:
         arrays = dump_arrays(model, ids)
         with tempfile.TemporaryDirectory() as tmp:
@@ -503,18 +654,8 @@ def main() -> None:
     a, b = peak_rss(small, sizes, seq, "capture"), peak_rss(large, sizes, seq, "capture")
     print(f"   capture streamed to HDF5, peak above its starting RSS: {small} blocks {(a['peak'] - a['before']) / 2**20:.0f} MiB, "
           f"{large} blocks {(b['peak'] - b['before']) / 2**20:.0f} MiB")
-    small, large = (2, 8) if quick else (8, 32)
-    for mode in ("stream", "memory"):
-        a, b = peak_rss(small, sizes, seq, mode), peak_rss(large, sizes, seq, mode)
-        # The diff's peak above the RSS it started from (the weights of both models are
-        # already resident then): what capture and localization add.
-        extra_a, extra_b = a["peak"] - a["before"], b["peak"] - b["before"]
-        grow = extra_b - extra_a
-        block_acts = 1 * seq * sizes["hidden"] * 4 * 8  # ~8 hidden-sized tensors recorded per block
-        print(f"6. diff peak above its starting RSS, {mode:6s}: {small} blocks {extra_a / 2**20:7.0f} MiB, "
-              f"{large} blocks {extra_b / 2**20:7.0f} MiB; growth {grow / 2**20:6.1f} MiB "
-              f"= {grow / block_acts:5.1f} blocks' activations ({block_acts / 2**20:.1f} MiB each)"
-              + ("   (goal <= 1 block)" if mode == "stream" else ""))
+    print(streamed_memory(sizes, seq, quick))
+    print(startup(sizes, seq))
 
     executions(quick)
     try:

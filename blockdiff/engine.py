@@ -34,6 +34,7 @@ from . import backward, conversion, decoding, distributed
 from ._version import __version__
 from .capture import TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
+from .dump.memory import release_freed_memory
 from .dtypes import dtype_name, precision_label
 from .errors import DumpError, InputError, run_model_code
 from .experiments import StoredFloors
@@ -307,13 +308,13 @@ def _live(ref: Side, cand: Side, inputs: Inputs, options: Options) -> Report:
             raise DumpError(f"cannot create {folder}: {exc.strerror or exc}", path=str(folder)) from None
         for side in (ref, cand):
             path = folder / f"{side.name}.h5"
-            _stream(side, inputs, path)
+            _stream(side, inputs, path, release=True)
             # The dumps were just written by this process: no need to probe them.
             side.store = stack.enter_context(DumpReader(path, probe=False))
 
         def streamed_free_run(side: Side) -> DumpReader:
             scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="blockdiff-")))
-            _stream(side, inputs, scratch / "free-run.h5")
+            _stream(side, inputs, scratch / "free-run.h5", release=True)
             return stack.enter_context(DumpReader(scratch / "free-run.h5", probe=False))
 
         return localize(streamed_free_run)
@@ -696,7 +697,7 @@ def _localize(
             localizer.experiments.free_run = record(floor)
     def judge() -> tuple[list, list]:
         stages = run_model_code("candidate", lambda: list(localizer.stages()))
-        blocks = run_model_code("candidate", lambda: _counted(localizer.blocks(), "localize", len(cand.layout.blocks)))
+        blocks = run_model_code("candidate", lambda: _counted(_block_by_block(localizer), "localize", len(cand.layout.blocks)))
         if complete is not None:
             run_model_code("candidate", complete, localizer, blocks)
         return stages, blocks
@@ -775,18 +776,24 @@ def _record_in_memory(side: Side, inputs: Inputs) -> MemoryStore:
 
 
 def _stream(
-    side: Side, inputs: Inputs, path: str | Path, *, compress: str | None = None, durable: bool = False
+    side: Side, inputs: Inputs, path: str | Path, *, compress: str | None = None, durable: bool = False,
+    release: bool = False,
 ) -> None:
     """Capture ``side`` into a dump, each site written as its call finishes, from the
     model's own tensors (see :func:`~blockdiff.capture.record_once`); should the model
     change one before its site is written, the dump is thrown away and the capture runs
-    again with copies."""
+    again with copies. ``release``: hand freed memory back to the system after each block
+    (a streamed diff's: glibc keeps what the forward freed, and the capture's peak grew
+    by about a block's activations every block; not for ``capture``, whose time counts)."""
     meta = _dump_meta(side, inputs)
+    progress = _progress(side)
+    if release:
+        progress = _releasing(progress)
 
     def attempt(copy: bool) -> None:
         with DumpWriter(path, meta=meta, compress=compress, durable=durable) as writer:
             writer.add_inputs(inputs)
-            run_model_code(side.name, side.record, inputs, writer, hold=None if copy else "written", progress=_progress(side))
+            run_model_code(side.name, side.record, inputs, writer, hold=None if copy else "written", progress=progress)
 
     with_copies(attempt, lockstep=side.lockstep)
 
@@ -835,6 +842,32 @@ def _progress(side: Side) -> Callable[[int, int], None] | None:
         return None
     what = f"capture {side.name}"
     return lambda done, total: report(what, done, total)
+
+
+def _releasing(progress: Callable[[int, int], None] | None) -> Callable[[int, int], None]:
+    """``progress``, handing freed memory back to the system first (:mod:`blockdiff.dump.memory`)."""
+
+    def each(done: int, total: int) -> None:
+        release_freed_memory()
+        if progress is not None:
+            progress(done, total)
+
+    return each
+
+
+def _block_by_block(localizer: Localizer) -> Iterator:
+    """The localizer's blocks. Read from dumps: what the stages left (the logits) handed
+    back to the system first, and each block's records dropped from the dumps once it is
+    judged (:meth:`DumpReader.forget`): a streamed diff holds one block's, not every
+    block's."""
+    stores = (localizer.ref.store, localizer.cand.store, localizer.experiments.free_run)
+    dumps = {id(store): store for store in stores if isinstance(store, DumpReader)}
+    if dumps:
+        release_freed_memory()
+    for result in localizer.blocks():
+        yield result
+        for dump in dumps.values():
+            dump.forget(result.index)
 
 
 def _counted(items: Iterator, what: str, total: int) -> list:

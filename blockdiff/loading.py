@@ -2,20 +2,24 @@
 
 A model spec is ``path/to/file.py:factory`` or ``package.module:factory``: a callable
 returning an ``nn.Module``. The same spec may serve both sides; each side calls the
-factory itself, so the two models are separate objects.
+factory itself (a ``config.json``'s second side is a copy, below), so the two models are
+separate objects.
 
 A spec may also be a local Hugging Face model: a directory written by ``save_pretrained``
 (loaded with ``from_pretrained(dir, local_files_only=True)``: nothing is downloaded), or a
 ``config.json`` (the model built from the config, with trained-looking weights drawn from
-:data:`CONFIG_SEED`, so both sides built from one config get the same weights).
+:data:`CONFIG_SEED`, so both sides built from one config get the same weights: the second
+side is a copy of the first, bit for bit what building it again gives, without the drawing).
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import importlib
 import importlib.util
 import sys
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +33,10 @@ from .weights import trained_looking_
 
 # Weight seed of models built from a config.json: fixed, so both sides agree.
 CONFIG_SEED = 0
+
+# The models built from a config.json, by the spec that built them (see build_model's like).
+_FROM_CONFIG: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
 
 def parse_device(name: str) -> torch.device:
     """A device name; ``auto`` is CUDA when available, else the CPU.
@@ -220,7 +228,9 @@ def _from_config(path: Path, spec: str) -> nn.Module:
             and not bool(m.weight.any())
         }
     )
-    return trained_looking_(model, seed=CONFIG_SEED, offset_norms=offset)
+    model = trained_looking_(model, seed=CONFIG_SEED, offset_norms=offset)
+    _FROM_CONFIG[model] = str(path)
+    return model
 
 
 def _import_file(path: Path, spec: str):
@@ -254,27 +264,45 @@ def _import_file(path: Path, spec: str):
         ) from exc
 
 
-def build_model(spec: str, *, device: torch.device, dtype: torch.dtype) -> object:
+def build_model(spec: str, *, device: torch.device, dtype: torch.dtype, like: object = None) -> object:
     """Call the spec's factory and place what it returns on ``device`` in ``dtype``, eval
     mode, when it is an ``nn.Module``; anything else comes back as it is (an ONNX Runtime
     model is run as it was exported; :func:`~blockdiff.sides.factory.open_side` says what
     it accepts).
 
+    Args:
+        like: the other side's model. When the same ``config.json`` built it and it is
+            still as built (float32, on the CPU), the model is a copy of it: its weights
+            are drawn from :data:`CONFIG_SEED`, so the copy is bit for bit what building
+            again gives, without the drawing (seconds for a model of 100M parameters).
+            Any other spec is built again: a factory is the user's code, and a saved
+            model's loader may draw what its files lack.
+
     Raises:
         ModelSpecError: the factory raised.
     """
     factory = load_factory(spec)
-    try:
-        model = factory()
-    except ModelSpecError:
-        raise
-    except Exception as exc:
-        raise ModelSpecError(
-            f"model spec {spec!r}: the factory raised {type(exc).__name__}: {exc}", spec=spec
-        ) from exc
+    if _built_from_config(like, spec):
+        model = copy.deepcopy(like)
+    else:
+        try:
+            model = factory()
+        except ModelSpecError:
+            raise
+        except Exception as exc:
+            raise ModelSpecError(
+                f"model spec {spec!r}: the factory raised {type(exc).__name__}: {exc}", spec=spec
+            ) from exc
     if not isinstance(model, nn.Module):
         return model
     return place(model, device=device, dtype=dtype).eval()
+
+
+def _built_from_config(model: object, spec: str) -> bool:
+    """Whether ``model`` is what the ``config.json`` ``spec`` builds, as it built it."""
+    if not isinstance(model, nn.Module) or _FROM_CONFIG.get(model) != str(Path(spec)):
+        return False
+    return model_dtype(model) == torch.float32 and model_device(model).type == "cpu"
 
 
 def dispatched(model: nn.Module) -> bool:

@@ -247,6 +247,29 @@ def test_config_json_gives_both_sides_the_same_trained_looking_weights(saved):
     assert float(one.model.layers[0].mlp.down_proj.weight.detach().std()) == pytest.approx(128**-0.5, rel=0.2)
 
 
+def test_a_config_json_builds_the_other_side_as_a_copy(saved, monkeypatch):
+    """The second side of one config.json is a copy of the first (its weights are drawn from
+    CONFIG_SEED): bit for bit what building it again gives, in any dtype, drawn once; a
+    first side no longer as built (cast) is not copied."""
+    from blockdiff import loading
+    from blockdiff.sides.precision import twins
+
+    config, cpu = str(saved / "gemma2" / "config.json"), torch.device("cpu")
+    apart = build_model(config, device=cpu, dtype=torch.float32)
+    drawn, draw = [], loading.trained_looking_
+    monkeypatch.setattr(loading, "trained_looking_", lambda *a, **k: drawn.append(1) or draw(*a, **k))
+    one = build_model(config, device=cpu, dtype=torch.float32)
+    two = build_model(config, device=cpu, dtype=torch.float32, like=one)
+    bf16 = build_model(config, device=cpu, dtype=torch.bfloat16, like=one)
+    assert len(drawn) == 1 and two is not one
+    assert twins(two, apart) and twins(one, two)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(one.parameters(), two.parameters()))
+    cast = build_model(config, device=cpu, dtype=torch.bfloat16)  # built, then cast in place
+    assert twins(bf16, cast) and len(drawn) == 2
+    build_model(config, device=cpu, dtype=torch.float32, like=cast)  # no longer as built: built again
+    assert len(drawn) == 3
+
+
 @pytest.mark.parametrize(
     "make,message",
     [

@@ -1041,3 +1041,28 @@ def test_release_freed_memory_calls_what_it_found(monkeypatch):
     monkeypatch.setattr(memory, "_hdf5_garbage_collect", lambda: None)
     memory.release_freed_memory()
     assert calls == []
+
+
+def test_a_forgotten_block_holds_nothing_and_reads_again(tmp_path):
+    """forget(block) drops the block's records of the index and the records of tensors no
+    other site reads (a block's output is the next block's input: that one stays); the
+    other blocks still read, and reading the forgotten block again indexes the file again."""
+    from blockdiff.engine import capture
+    from samples import tinylm
+
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    capture(tinylm.build(), ids, tmp_path / "d.h5")
+    with DumpReader(tmp_path / "d.h5") as reader:
+        before = {b: reader.block_sites(b) for b in reader.block_indices()}
+        reader.forget(0)
+        assert reader.block_indices() == sorted(before)
+        assert [e for e in reader._held if e.block == 0] == []
+        sites = reader._index["sites"]
+        assert sum(record is None for record in sites) == len(before[0])
+        assert any(t is None for t in reader._index["tensors"])
+        for b in sorted(before)[1:]:  # block 1's input (block 0's output) still reads
+            assert [s.output.tolist() for s in reader.block_sites(b)] == [s.output.tolist() for s in before[b]]
+        again = reader.block_sites(0)
+        assert [(s.module, s.args[0].tolist()) for s in again] == [(s.module, s.args[0].tolist()) for s in before[0]]
+        assert all(record is not None for record in reader._index["sites"])
+        assert len(reader) == sum(len(v) for v in before.values()) + len(reader.outside_sites())

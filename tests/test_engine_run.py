@@ -113,3 +113,38 @@ def test_a_dump_side_cannot_run_experiments(golden):
         (block,) = [s for s in dump.block_sites(0) if s.subpath is None]
         with pytest.raises(PairingError, match="is a dump"):
             side.call_module(block.module, block)
+
+
+def test_a_streamed_diff_drops_each_block_once_it_is_judged(monkeypatch):
+    """A streamed diff holds one block's records of its dumps at a time: once block i is
+    judged, the reference's, the candidate's and the free run's dumps hold nothing of it
+    (DumpReader.forget), and the report is the in-memory diff's."""
+    from blockdiff import engine
+    from blockdiff.dump import DumpReader
+
+    readers, held = [], []
+    opened = DumpReader.__init__
+
+    def spied(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        readers.append(self)
+
+    def progress(what, done, total):
+        if what == "localize":  # block done - 1 is judged; the next one is not read yet
+            held.append([sorted({e.block for e in r._held if e.block is not None}) for r in readers])
+
+    monkeypatch.setattr(DumpReader, "__init__", spied)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    candidate = lambda: bugs.gelu_for_silu(block=1).to(torch.bfloat16)  # noqa: E731
+    token = engine.PROGRESS.set(progress)
+    try:
+        streamed = blockdiff.diff(tinylm.build(), candidate(), ids, stream=True).to_dict()
+    finally:
+        engine.PROGRESS.reset(token)
+    blocks = len(tinylm.build().blocks)
+    assert len(readers) == 3  # reference, candidate, the reference's free run at bfloat16
+    assert held == [[list(range(i, blocks))] * 3 for i in range(blocks)]
+    assert all(not r._held or all(e.block is None for e in r._held) for r in readers)
+    in_memory = blockdiff.diff(tinylm.build(), candidate(), ids).to_dict()
+    streamed.pop("created"), in_memory.pop("created")
+    assert streamed == in_memory

@@ -180,6 +180,21 @@ class _DigestMismatch(Exception):
         self.ref = ref
 
 
+def _tensor_refs(nodes: list[Any]) -> set[Any]:
+    """The tensors (index positions) that structures of a packed dump refer to."""
+    found, todo = set(), list(nodes)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "tensor":
+                found.add(node.get("ref"))
+            else:
+                todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return found
+
+
 def _expect(value: Any, kind: type) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise TypeError(f"expected {kind.__name__} in structure, found {type(value).__name__}")
@@ -262,6 +277,7 @@ class DumpReader:
         self._fd: int | None = None
         self.meta: dict[str, Any] = {}
         self._entries: list[_Entry] = []
+        self._forgotten: set[int] = set()  # blocks whose records were dropped (forget)
         self._objects: dict[str, Link] = {}  # every link, its attributes read once at open
         self._packed = False  # schema 4: tensors in /tensors, sites in /index
         self._index: dict[str, Any] = {}
@@ -322,14 +338,17 @@ class DumpReader:
         self._packed = version >= PACKED_SCHEMA
         self._decoded = version >= DECODE_SCHEMA  # a decode run: sites by step (see steps())
         self._step: int | None = None  # a view of one step (at_step) reads only its sites
-        if self._packed:
-            entries = self._index_entries()
-        else:
-            entries = self._group_entries()
+        self._load_entries()
+
+    def _load_entries(self) -> None:
+        """Index the sites (again, after :meth:`forget`): from the JSON index of a packed
+        dump, from the site groups' attributes of an older one."""
+        entries = self._index_entries() if self._packed else self._group_entries()
         # Calls in the order they started (a block before its modules); sites written
         # without an order (all 0) keep the order they were written in.
         entries.sort(key=lambda e: (e.site.order, int(e.name)))
         self._entries = entries
+        self._forgotten = set()
 
     def _index_entries(self) -> list[_Entry]:
         """Schema 4: the sites of the JSON index, after checking that its tensor entries tile
@@ -374,22 +393,54 @@ class DumpReader:
 
     @property
     def _here(self) -> list[_Entry]:
-        """The entries this reader reads: every one, or a step view's (:meth:`at_step`)."""
+        """The entries this reader reads: every one, or a step view's (:meth:`at_step`);
+        the blocks it forgot indexed again."""
+        self._remember()
+        return self._held
+
+    @property
+    def _held(self) -> list[_Entry]:
+        """The entries this reader reads that it holds (not those of forgotten blocks)."""
         if self._step is None:
             return self._entries
         return [e for e in self._entries if e.step == self._step]
 
     def block_indices(self) -> list[int]:
         """Indices of the blocks that have sites, ascending."""
-        return sorted({e.block for e in self._here if e.block is not None})
+        return sorted({e.block for e in self._held if e.block is not None} | self._forgotten)
 
     def block_sites(self, block: int) -> list[Site]:
         """The sites of one block in execution order; reads only that block's groups."""
-        return [self._read(e) for e in self._here if e.block == block]
+        entries = self._here if block in self._forgotten else self._held
+        return [self._read(e) for e in entries if e.block == block]
 
     def outside_sites(self) -> list[Site]:
         """Sites outside the blocks (embed, context, final_norm, head) in execution order."""
-        return [self._read(e) for e in self._here if e.block is None]
+        return [self._read(e) for e in self._held if e.block is None]
+
+    def _remember(self) -> None:
+        """Index the blocks :meth:`forget` dropped again, when there are any."""
+        if self._forgotten:
+            self._load_entries()
+
+    def forget(self, block: int) -> None:
+        """Drop what the reader holds for ``block``'s sites — their records of the index,
+        and those of the tensors no other site reads — once localization has judged the
+        block: a streamed diff then holds one block's records at a time, not every
+        block's. Reading the block again indexes the file again. A decode dump (whose
+        step views share one index) keeps everything."""
+        gone = [e for e in self._entries if e.block == block]
+        if self._decoded or not gone:
+            return
+        self._entries = [e for e in self._entries if e.block != block]
+        self._forgotten.add(block)
+        if self._packed:
+            index = self._index
+            read = _tensor_refs([e.structure for e in self._entries] + [index.get("inputs"), index.get("floors")])
+            for ref in _tensor_refs([e.structure for e in gone]) - read:
+                index["tensors"][ref] = None
+            for e in gone:
+                index["sites"][int(e.name)] = None
 
     def steps(self) -> int | None:
         """How many decode steps the run had after its prompt (its sites are steps 0 …
@@ -438,6 +489,7 @@ class DumpReader:
             DumpError: naming the file and the first damaged site.
         """
         self._open_file()
+        self._remember()
         tensors = nbytes = 0
         used: set = set()
         for e in self._entries:

@@ -75,7 +75,9 @@ def open_side(
             raise InputError(
                 f"{text}: not a dump (.h5) or an ONNX graph (.onnx); as a model spec, expected {ACCEPTED}"
             )
-        built = build_model(text, device=torch.device(device or "cpu"), dtype=dtype or torch.float32)
+        built = build_model(
+            text, device=torch.device(device or "cpu"), dtype=dtype or torch.float32, like=getattr(like, "model", None)
+        )
         spec = _built(f"model spec {text!r}: the factory", built)
     elif callable(spec) and not isinstance(spec, nn.Module) and kind_of(spec) == "model":
         spec = _built(f"the {role} factory", run_model_code(role, spec))
