@@ -233,8 +233,16 @@ class BackwardExperiments:
         is the floor's module's twin (same classes, settings and weights at the candidate's
         precision: :func:`~blockdiff.sides.precision.twins`) and ``c``'s call, its
         activations set aside (both get the reference's), is ``r``'s cast to that precision,
-        bit for bit. Then each number of the floor is the candidate's."""
+        bit for bit. Then each number of the floor is the candidate's.
+
+        When the whole candidate is the floor's twin (:attr:`twin`: the reference's own
+        code at its precision), every call it made is the call the floor's own run makes —
+        its non-hidden arguments too (rotary tables, masks: the same code computing them at
+        the same precision) — so every experiment on it is the floor's (the design's "its
+        error equals the floor exactly")."""
         assert self.floor is not None
+        if self.twin:
+            return True
         key = (r.module, c.module)
         if key not in self._twins:
             self._twins[key] = twins(self.floor.module(r.module), self.cand.module(c.module))  # type: ignore[attr-defined]
