@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from . import distributed
 from .compare import Metrics, metrics, rel_l2
 from .errors import InputError, run_model_code
 from .experiments import aligned, same_call
@@ -134,6 +135,17 @@ def resolve_loss(loss: str | Loss | None) -> tuple[Loss, str]:
     return loss, getattr(loss, "__name__", type(loss).__name__)
 
 
+def refuse_backward(*sides: Side) -> None:
+    """Raises :class:`InputError` for a side that cannot run a backward (a dump, an ONNX
+    graph, a pipeline: ``Side.backward_refused``), before anything runs."""
+    for side in sides:
+        if side.backward_refused is not None:
+            raise InputError(
+                f"the {side.name} cannot run a backward: {side.backward_refused} "
+                "(--backward needs live PyTorch models on both sides, in one process or tensor-parallel)"
+            )
+
+
 def judge(
     ref: Side, cand: Side, inputs: Inputs, forward: Report, *, tolerance: Tolerance | None, loss: str | Loss | None
 ) -> Report:
@@ -143,11 +155,7 @@ def judge(
     Raises:
         InputError: a side that cannot run its backward (a dump, an ONNX graph).
     """
-    for side in (ref, cand):
-        if not hasattr(side, "record_gradients"):
-            raise InputError(
-                f"the {side.name} cannot run a backward: --backward needs live PyTorch models on both sides"
-            )
+    refuse_backward(ref, cand)
     run, named = resolve_loss(loss)
     resolved = (tolerance or Tolerance()).resolved(same_dtype=ref.dtype == cand.dtype, same_device=ref.device == cand.device)
     experiments = BackwardExperiments(ref, cand, inputs, resolved, run)
@@ -413,69 +421,26 @@ class BackwardExperiments:
         (the floor side's copy), in the candidate's residual experiment and in its floor
         alike: the modules' own rounding is then the same in both, and what differs is the
         glue's, which is what the residual judges."""
-        by_module: dict[str, dict[int, tuple[Site, Site]]] = {}
-        for r, own in sites:
-            by_module.setdefault(own.module, {})[own.call] = (r, own)
-        device, cast = side.device, getattr(side, "cast", None)
         ref = self.floor if self.floor is not None else self.ref
 
-        def make(path: str, calls: dict[int, tuple[Site, Site]]) -> Callable[[Callable], Callable]:
-            names = side.layout.options(path).activations
+        def answer(r: Site, own: Site, template: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
+            reached = hidden_states(args, kwargs, side.layout.options(own.module).activations).get("primary")
+            found = ref.call_module(r.module, r, None if reached is None else {"primary": reached})
+            if r.subpath == "router":  # the whole routing decision: logits, weights, indices
+                return _like(found, template)
+            out, like = primary_tensor(found), primary_tensor(template)
+            if out is None or like is None:
+                return original(*args, **kwargs)
+            return replace_primary(template, out.to(device=like.device, dtype=like.dtype).reshape(like.shape))
 
-            def wrapped(original: Callable) -> Callable:
-                # Calls counted apart in the forward and in each recomputation (activation
-                # checkpointing reruns the block's code inside the backward).
-                count: dict[int, int] = {}
-
-                def forward(*args: Any, **kwargs: Any) -> Any:
-                    task = torch._C._current_graph_task_id()
-                    call = count[task] = count.get(task, -1) + 1
-                    if call not in calls:  # not a site (the map's `calls`): its own code
-                        return original(*args, **kwargs)
-                    r, own = calls[call]
-                    reached = hidden_states(args, kwargs, names).get("primary")
-                    answer = ref.call_module(r.module, r, None if reached is None else {"primary": reached})
-                    template = for_replay(own.output, device=device, dtype=cast)
-                    if r.subpath == "router":  # the whole routing decision: logits, weights, indices
-                        return _like(answer, template)
-                    out, like = primary_tensor(answer), primary_tensor(template)
-                    if out is None or like is None:
-                        return original(*args, **kwargs)
-                    return replace_primary(template, out.to(device=like.device, dtype=like.dtype).reshape(like.shape))
-
-                return forward
-
-            return wrapped
-
-        return {path[len(block) + 1:]: make(path, calls) for path, calls in by_module.items()}
+        return _per_call(side, block, sites, answer)
 
     def routing_frozen(self, side: Side, block: str, routers: list[tuple[Site, Site]]) -> dict[str, Callable[[Callable], Callable]]:
         """For a backward of ``side``'s block ``block``: each router answering with the
         reference's recorded decision (logits, weights, indices), cast like ``side``'s own
         output of that call; no gradient flows through it. ``routers``: (reference router
         site, ``side``'s router site of that call)."""
-        by_module: dict[str, dict[int, tuple[Site, Site]]] = {}
-        for r, own in routers:
-            by_module.setdefault(own.module, {})[own.call] = (r, own)
-        device, cast = side.device, getattr(side, "cast", None)
-
-        def make(calls: dict[int, tuple[Site, Site]]) -> Callable[[Callable], Callable]:
-            def wrapped(original: Callable) -> Callable:
-                count: dict[int, int] = {}  # calls counted apart in each recomputation
-
-                def forward(*args: Any, **kwargs: Any) -> Any:
-                    task = torch._C._current_graph_task_id()
-                    call = count[task] = count.get(task, -1) + 1
-                    if call not in calls:
-                        return original(*args, **kwargs)
-                    r, own = calls[call]
-                    return _like(r.output, for_replay(own.output, device=device, dtype=cast))
-
-                return forward
-
-            return wrapped
-
-        return {path[len(block) + 1:]: make(calls) for path, calls in by_module.items()}
+        return _per_call(side, block, routers, lambda r, own, template, original, args, kwargs: _like(r.output, template))
 
     def drift(self, r: Site, c: Site, *, judged: bool) -> tuple[Metrics | None, Check | None]:
         """The free-running candidate's input gradient at a site against the reference's
@@ -549,22 +514,24 @@ class BackwardExperiments:
         path, call = split.key
         store = self.cand.store
         site = next(
-            s for s in [*store.outside_sites(), *(s for i in store.block_indices() for s in store.block_sites(i))]
-            if s.module == path and s.call == call
+            (s for s in [*store.outside_sites(), *(s for i in store.block_indices() for s in store.block_sites(i))]
+             if s.module == path and s.call == call),
+            None,
         )
         gradient = split.which
-        names = ", ".join(str(r) for r in split.ranks)
-        message = (
-            f"replicas disagree: rank{'s' if len(split.ranks) > 1 else ''} {names} "
-            f"differ{'' if len(split.ranks) > 1 else 's'} from rank 0 in the {gradient} (rel_l2 {split.measured.rel_l2:.3g})"
+        message = distributed.replicas_message(split.ranks, split.measured.rel_l2, of=gradient)
+        note = (
+            f"backward: {describe_key(site.key) if site else path} ({path}): {message}; every rank holds this gradient "
+            "whole and should compute the same bits: blamed where the replicas first differ in backward order (the "
+            "missing or extra collective is in that module's backward)"
         )
         check = Check(REPLICAS, path, split.measured, Threshold(0.0, "fixed"), details={"ranks": split.ranks, "message": message, "gradient": gradient})
-        if site.block is None:
-            stage = next(s for s in stages if s.module == path)
+        stage = next((s for s in stages if s.module == path), None) if site is not None and site.block is None else None
+        if stage is not None:
             check.order = stage.order
             if stage.local is None or not stage.local.diverged:
                 stage.local = check
-        else:
+        elif site is not None and site.block is not None:
             block = next(b for b in blocks if b.index == site.block and (path == b.module or path.startswith(b.module + ".")))
             result = block.subpaths.setdefault(reported_subpath(site.subpath), SubpathResult("checked", order=block.order))
             check.order = min((c.order for c in result.checks if c.order is not None), default=result.order)
@@ -577,11 +544,7 @@ class BackwardExperiments:
                 )
             result.checks.insert(0, check)
             result.status = "checked"
-        return (
-            f"backward: {describe_key(site.key)} ({path}): {message}; every rank holds this gradient whole and should "
-            "compute the same bits: blamed where the replicas first differ in backward order (the missing or extra "
-            "collective is in that module's backward)"
-        )
+        return note
 
     def stage(self, r: Site, c: Site, *, judged: bool) -> StageResult:
         """A stage outside the blocks (embedding, final norm, head): its module's backward
@@ -619,6 +582,39 @@ class BackwardExperiments:
             subpaths={name: subpaths[name] for name in SUBPATHS if name in subpaths}, block=whole, drift=drift,
             order=pair.ref_block.order, unmapped=list(layout.unmapped) if layout else [], drift_check=drift_check,
         )
+
+
+def _per_call(
+    side: Side, block: str, sites: list[tuple[Site, Site]], answer: Callable[[Site, Site, Any, Callable, tuple, dict], Any]
+) -> dict[str, Callable[[Callable], Callable]]:
+    """For a backward run of ``side``'s block ``block``, by module path relative to it:
+    a ``forward`` replacement that answers each call of ``sites`` — (reference site,
+    ``side``'s site of that call) — with ``answer(reference site, side's site, its recorded
+    output as a template, the original forward, args, kwargs)``, and runs its own code for any
+    other call. Calls are counted apart in the forward and in each recomputation
+    (activation checkpointing reruns the block's code inside the backward)."""
+    by_module: dict[str, dict[int, tuple[Site, Site]]] = {}
+    for r, own in sites:
+        by_module.setdefault(own.module, {})[own.call] = (r, own)
+    device, cast = side.device, getattr(side, "cast", None)
+
+    def make(calls: dict[int, tuple[Site, Site]]) -> Callable[[Callable], Callable]:
+        def wrapped(original: Callable) -> Callable:
+            count: dict[int, int] = {}
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                task = torch._C._current_graph_task_id()
+                call = count[task] = count.get(task, -1) + 1
+                if call not in calls:  # not a site (the map's `calls`): its own code
+                    return original(*args, **kwargs)
+                r, own = calls[call]
+                return answer(r, own, for_replay(own.output, device=device, dtype=cast), original, args, kwargs)
+
+            return forward
+
+        return wrapped
+
+    return {path[len(block) + 1:]: make(calls) for path, calls in by_module.items()}
 
 
 def _like(answer: Any, template: Any) -> Any:
@@ -691,4 +687,4 @@ def _explained(back: Report, forward: Report) -> None:
             block.subpaths[name].explained_by = label
 
 
-__all__ = ["DEFAULT_LOSS", "BackwardExperiments", "Loss", "judge", "load_loss", "next_token_loss", "resolve_loss"]
+__all__ = ["DEFAULT_LOSS", "BackwardExperiments", "Loss", "judge", "load_loss", "next_token_loss", "refuse_backward", "resolve_loss"]

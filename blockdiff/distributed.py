@@ -331,6 +331,15 @@ def local_output_dim(module: torch.nn.Module, t: torch.Tensor) -> int | None:
     return -1 if t.shape[-1] == local != full else None
 
 
+def replicas_message(ranks: list[int], rel_l2: float, *, of: str | None = None) -> str:
+    """How a divergence between replicas reads: ``replicas disagree: rank 1 differs from
+    rank 0 (rel_l2 1.45)``; ``of`` names what differs (``in the input gradient``)."""
+    names = ", ".join(str(r) for r in ranks)
+    many = len(ranks) > 1
+    where = f" in the {of}" if of else ""
+    return f"replicas disagree: rank{'s' if many else ''} {names} differ{'' if many else 's'} from rank 0{where} (rel_l2 {rel_l2:.3g})"
+
+
 def every_rank(obj: Any) -> list[Any]:
     """``obj`` of every rank, in rank order (pickled across: small objects, or tensors the
     caller accepts to copy)."""
@@ -426,6 +435,7 @@ __all__ = [
     "local_output_dim",
     "apart",
     "every_rank",
+    "replicas_message",
     "FailureWatch",
     "finish",
     "agreed_exit_code",

@@ -288,6 +288,7 @@ def _live(ref: Side, cand: Side, inputs: Inputs, options: Options) -> Report:
     if options.backward:
         if options.save_dumps is not None or options.stream or options.rank:
             raise InputError("--backward runs in memory: not with --stream, --save-dumps or --rank")
+        backward.refuse_backward(ref, cand)
         forward = localize
         localize = lambda free_run: backward.judge(  # noqa: E731
             ref, cand, inputs, forward(free_run), tolerance=options.tolerance, loss=options.loss

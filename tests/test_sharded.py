@@ -232,7 +232,7 @@ def test_a_replicated_parameter_whose_gradient_is_not_summed_over_ranks_is_blame
 
 def test_the_backward_of_a_pipeline_is_refused_clearly(outcomes):
     assert outcomes["backward pipeline refused"]["error"].startswith(
-        "InputError: --backward does not run a pipeline-parallel candidate"
+        "InputError: the candidate cannot run a backward: it is pipeline-parallel"
     )
 
 

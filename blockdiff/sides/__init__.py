@@ -62,7 +62,9 @@ class Side(Protocol):
     Sites: ``store``, filled by ``record`` on the ``inputs`` it takes. Experiments: ``call_module``, ``run_block``, ``child_calls``,
     ``attribute`` — a side that cannot run (``live`` false) is judged on drift only;
     ``decodes``: it runs decode steps with caches of its own (a live PyTorch model:
-    :class:`~blockdiff.sides.live.LiveSide`'s decode members, docs/decode.md).
+    :class:`~blockdiff.sides.live.LiveSide`'s decode members, docs/decode.md);
+    ``backward_refused``: why it cannot run a backward (``None``: it has
+    ``record_gradients``, ``backward_module`` and ``child_gradients``, docs/backward.md).
     Precision: ``in_precision`` (the noise floor's side), ``runs_as``. Running: ``running``
     (the context its runs need), ``not_streamed``. Completing: ``holds``, ``localized``.
     """
@@ -73,6 +75,7 @@ class Side(Protocol):
     meta: dict[str, Any]  # how the report describes it: model, class, device, dtype, hook_map
     live: bool  # whether it can run experiments (a dump cannot)
     decodes: bool  # whether it runs decode steps, each experiment with a cache of its own
+    backward_refused: str | None  # why it cannot run a backward (--backward), or None
     lockstep: bool  # whether it runs on every rank of a launched run, in lockstep
     not_streamed: str | None  # why it cannot be recorded into a dump (--stream), or None
 
@@ -143,6 +146,7 @@ class SideDefaults:
 
     lockstep = False
     decodes = False
+    backward_refused: str | None = "it is not a live PyTorch model"
     not_streamed: str | None = None
     @property
     def versions(self) -> dict[str, str]:

@@ -81,6 +81,7 @@ class LiveSide(SideDefaults):
 
     live = True
     decodes = True  # start_decode, begin_step, stream, shadow, made_stream, remember, keeps_cache
+    backward_refused: str | None = None  # record_gradients, backward_module, child_gradients
 
     def __init__(
         self, name: str, model: nn.Module, layout: Layout, *, label: str | None = None, lockstep: bool = False

@@ -73,11 +73,7 @@ class ShardedSide(LiveSide):
         if found is None:
             return stages, blocks
         site, ranks, measured = found
-        names = ", ".join(str(r) for r in ranks)
-        message = (
-            f"replicas disagree: rank{'s' if len(ranks) > 1 else ''} {names} "
-            f"differ{'' if len(ranks) > 1 else 's'} from rank 0 (rel_l2 {measured.rel_l2:.3g})"
-        )
+        message = distributed.replicas_message(ranks, measured.rel_l2)
         at = _reference_order(judging.ref, site)
         check = Check(REPLICAS, site.module, measured, Threshold(0.0, "fixed"), details={"ranks": ranks, "message": message}, order=at)
         if site.block is None:
@@ -177,6 +173,10 @@ class PipelineSide(LiveSide):
         layouts: every rank's own layout, in rank order (``layout`` is this rank's).
     """
 
+    # Its stages hand activations over point to point, outside autograd: its backward is
+    # not the model's.
+    backward_refused = "it is pipeline-parallel: its stages hand activations over outside autograd"
+
     def __init__(self, name: str, model: nn.Module, layout: Layout, layouts: list[Layout], *, label: str | None = None) -> None:
         super().__init__(name, model, layout, label=label, lockstep=True)
         self.own = layout
@@ -196,14 +196,6 @@ class PipelineSide(LiveSide):
     @property
     def own_layout(self) -> Layout:
         return self.own
-
-    def record_gradients(self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True) -> Gradients:
-        """Refused: a pipeline's stages hand activations over point to point, outside
-        autograd, so its backward is not the model's."""
-        raise InputError(
-            "--backward does not run a pipeline-parallel candidate: its stages hand activations over outside autograd "
-            "(diff its forward, or run --backward on the model in one process or tensor-parallel)"
-        )
 
     def holds(self, block: int | None, module: str) -> bool:
         """Whether this rank judges block ``block``, or (``block`` None) the stage module
@@ -385,7 +377,10 @@ def _first_split(tensors: list[torch.Tensor | None], *, dtype: torch.dtype | Non
     every = distributed.every_rank([_digest(t) for t in tensors])
     for index, t in enumerate(tensors):
         digests = [found[index] for found in every]
-        if len(set(digests)) == 1 or t is None:
+        # A tensor some rank lacks (no gradient reached it there) has no bits to compare:
+        # every rank sees the same digests, so every rank skips it alike (no rank waits in
+        # a gather the others never enter).
+        if len(set(digests)) == 1 or "" in digests:
             continue
         ranks = [r for r, d in enumerate(digests) if d != digests[0]]
         parts = [torch.empty_like(t) for _ in every]
