@@ -42,12 +42,14 @@ import torch.nn.functional as F
 from . import distributed
 from .compare import Metrics, metrics, rel_l2
 from .errors import InputError, run_model_code
-from .experiments import aligned, same_call
+from .experiments import aligned, same_arguments, same_call
 from .inputs import Inputs
 from .pairing import BlockPair, pair_block, pair_outside
 from .report import BlockResult, Check, Report, StageResult, SubpathResult
 from .sides import Side
-from .sides.live import ReplicaSplit
+from .capture import Recording
+from .sides.compiled import compile_context
+from .sides.live import Gradients, LiveSide, PrecisionSide, ReplicaSplit
 from .sides.precision import twins
 from .site import Site, describe_key, for_replay, hidden_states, iter_tensors, map_structure, primary_tensor, replace_primary, with_hidden
 from .tolerance import Threshold, Tolerance, working_dtype
@@ -146,8 +148,36 @@ def refuse_backward(*sides: Side) -> None:
             )
 
 
+class Recorder:
+    """The forward records of a backward diff, each with its side's free-running backward:
+    a live model run eagerly is recorded by :meth:`LiveSide.record_with_gradients`, one run
+    for the forward diff's record and the backward's gradients (the reference with its
+    parameters' gradients, the candidate and the floor side without), kept in
+    :attr:`gradients` by side; any other side records as it would (its gradients are
+    recorded apart by :func:`judge`). The loss is resolved before anything runs.
+
+    >>> recorder = Recorder(ref, None)                                  # doctest: +SKIP
+    >>> recorder.record(ref, ids, MemoryStore(), hold="kept", progress=None)  # doctest: +SKIP
+    """
+
+    def __init__(self, ref: Side, loss: str | Loss | None) -> None:
+        self.ref = ref
+        self.loss, self.named = resolve_loss(loss)
+        self.gradients: dict[int, Gradients] = {}
+
+    def record(self, side: Side, inputs: Inputs, store: Any, *, hold: str | None, progress: Any) -> Recording:
+        if type(side) not in (LiveSide, PrecisionSide) or any(compile_context(m) is not None for m in side.module("").modules()):  # type: ignore[attr-defined]
+            return side.record(inputs, store, hold=hold, progress=progress)
+        recording, found = side.record_with_gradients(  # type: ignore[attr-defined]
+            inputs, store, self.loss, hold=hold, progress=progress, parameters=side is self.ref
+        )
+        self.gradients[id(side)] = found
+        return recording
+
+
 def judge(
-    ref: Side, cand: Side, inputs: Inputs, forward: Report, *, tolerance: Tolerance | None, loss: str | Loss | None
+    ref: Side, cand: Side, inputs: Inputs, forward: Report, *, tolerance: Tolerance | None, loss: str | Loss | None,
+    recorded: Recorder | None = None,
 ) -> Report:
     """The backward of two live sides localized: ``forward`` (their forward report) with its
     :attr:`~blockdiff.report.Report.backward` set and a note on what ran.
@@ -156,9 +186,9 @@ def judge(
         InputError: a side that cannot run its backward (a dump, an ONNX graph).
     """
     refuse_backward(ref, cand)
-    run, named = resolve_loss(loss)
+    run, named = (recorded.loss, recorded.named) if recorded is not None else resolve_loss(loss)
     resolved = (tolerance or Tolerance()).resolved(same_dtype=ref.dtype == cand.dtype, same_device=ref.device == cand.device)
-    experiments = BackwardExperiments(ref, cand, inputs, resolved, run)
+    experiments = BackwardExperiments(ref, cand, inputs, resolved, run, recorded={} if recorded is None else recorded.gradients)
     back = experiments.report(forward, named)
     forward.backward = back
     forward.notes.append(back.notes[0])
@@ -175,13 +205,22 @@ class BackwardExperiments:
             reference's own code at the candidate's precision.
     """
 
-    def __init__(self, ref: Side, cand: Side, inputs: Inputs, tolerance: Tolerance, loss: Loss) -> None:
+    def __init__(
+        self, ref: Side, cand: Side, inputs: Inputs, tolerance: Tolerance, loss: Loss, *, recorded: dict[int, Gradients] | None = None
+    ) -> None:
         self.ref, self.cand, self.tolerance = ref, cand, tolerance
         self.dtype = working_dtype(ref.dtype, cand.dtype)
         self.notes: list[str] = []
         floor = ref.in_precision(self.dtype, cand.device) if tolerance.calibrated else None
-        self.ref_g = run_model_code("reference", ref.record_gradients, inputs, loss)  # type: ignore[attr-defined]
-        self.cand_g = run_model_code("candidate", cand.record_gradients, inputs, loss, parameters=False)  # type: ignore[attr-defined]
+        recorded = recorded or {}  # the free-running backwards run with the forward's records (Recorder)
+
+        def gradients(side: Side, name: str, *, parameters: bool) -> Gradients:
+            if id(side) in recorded:
+                return recorded[id(side)]
+            return run_model_code(name, side.record_gradients, inputs, loss, parameters=parameters)  # type: ignore[attr-defined]
+
+        self.ref_g = gradients(ref, "reference", parameters=True)
+        self.cand_g = gradients(cand, "candidate", parameters=False)
         # The floor side: the reference's code at the candidate's precision. When the
         # candidate is that very code (the reference's own cast: same classes, settings and
         # weights), its free run is the floor's (the same inputs, the same computation).
@@ -189,10 +228,10 @@ class BackwardExperiments:
         self.twin = floor is not None and floor.runs_as(cand)
         self.floor_g = None
         if floor is not None:
-            self.floor_g = self.cand_g if self.twin else run_model_code(
-                "reference", floor.record_gradients, inputs, loss, parameters=False  # type: ignore[attr-defined]
-            )
+            self.floor_g = self.cand_g if self.twin else gradients(floor, "reference", parameters=False)
         self._twins: dict[tuple[str, str], bool] = {}
+        # A block's residual floor found by its whole-block floor run (residual_probe).
+        self._residual_floors: dict[tuple[str, int], Any] = {}
         self._exclusive = self._exclusive_parameters()
 
     def _exclusive_parameters(self) -> dict[int, str]:
@@ -398,12 +437,23 @@ class BackwardExperiments:
             replaced = self.routing_frozen(self.cand, cb.module, routers) or None
         got = self.cand.backward_module(cb.module, cb, hidden, grad, replaced=replaced, parameters=False)[0]  # type: ignore[attr-defined]
 
+        key = (rb.module, rb.call)
+
         def measure(side: Side) -> Any:
+            shares: dict[tuple[str, int], bool] | None = None
             if residual:
+                if key in self._residual_floors:  # the whole block's floor run was this run
+                    return self._residual_floors.pop(key)
                 own = self.by_reference(side, rb.module, [(s, s) for s in pair.ref.values()])
+            elif routers:
+                own = self.routing_frozen(side, rb.module, [(r, r) for r, _ in routers])
             else:
-                own = self.routing_frozen(side, rb.module, [(r, r) for r, _ in routers]) or None
-            return side.backward_module(rb.module, rb, hidden, grad, replaced=own, parameters=False)[0]  # type: ignore[attr-defined]
+                shares = {}
+                own = self.residual_probe(side, rb.module, list(pair.ref.values()), shares)
+            found = side.backward_module(rb.module, rb, hidden, grad, replaced=own, parameters=False)[0]  # type: ignore[attr-defined]
+            if shares is not None and len(shares) == len(pair.ref) and all(shares.values()):
+                self._residual_floors[key] = found
+            return found
 
         floor = self._floor_run(rb, cb, got, measure)
         if "primary" not in got:
@@ -434,6 +484,33 @@ class BackwardExperiments:
             return replace_primary(template, out.to(device=like.device, dtype=like.dtype).reshape(like.shape))
 
         return _per_call(side, block, sites, answer)
+
+    def residual_probe(
+        self, side: Side, block: str, sites: list[Site], shares: dict[tuple[str, int], bool]
+    ) -> dict[str, Callable[[Callable], Callable]]:
+        """For the floor's whole-block backward of ``side``'s block ``block``: each sub-path
+        module's call (``sites``, the reference's) runs its own code, and ``shares`` says, by
+        (module, call), whether that call is the one the residual experiment's floor makes in
+        its place (:meth:`by_reference`: this very module on what reached it, with the
+        reference's other arguments cast): the same arguments bit for bit, and an output
+        holding its primary tensor alone, of the recorded output's dtype and shape. When
+        every call is, that run is the residual's floor too (the same computation forward
+        and backward) and it is not run again."""
+
+        def answer(r: Site, own: Site, template: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
+            out = original(*args, **kwargs)
+            reached = hidden_states(args, kwargs, side.layout.options(own.module).activations).get("primary")
+            got, like = primary_tensor(out), primary_tensor(template)
+            same = (
+                reached is not None and got is not None and like is not None
+                and got.dtype == like.dtype and got.shape == like.shape
+                and len(list(iter_tensors(out))) == 1 == len(list(iter_tensors(template)))
+                and same_arguments(with_hidden(r.args, r.kwargs, {"primary": reached}, r.activations), (args, kwargs), side.cast)  # type: ignore[attr-defined]
+            )
+            shares[(r.module, r.call)] = shares.get((r.module, r.call), True) and same
+            return out
+
+        return _per_call(side, block, [(s, s) for s in sites], answer)
 
     def routing_frozen(self, side: Side, block: str, routers: list[tuple[Site, Site]]) -> dict[str, Callable[[Callable], Callable]]:
         """For a backward of ``side``'s block ``block``: each router answering with the
@@ -571,9 +648,9 @@ class BackwardExperiments:
         residual = SubpathResult("checked")
         whole = None
         if pair.ref_layout is not None and pair.cand_layout is not None:
+            whole = self.block_check(pair, residual=False)  # first: its floor run may be the residual's
             found = self.block_check(pair, residual=True)
             residual.checks = [found] if found is not None else []
-            whole = self.block_check(pair, residual=False)
         subpaths["residual"] = residual
         drift, drift_check = self.drift(pair.ref_block, pair.cand_block, judged=judged)
         layout = pair.cand_layout

@@ -32,7 +32,7 @@ from torch import nn
 
 from . import backward, conversion, decoding, distributed
 from ._version import __version__
-from .capture import TensorChanged, with_copies
+from .capture import Recording, TensorChanged, with_copies
 from .dump import DumpReader, DumpWriter
 from .dump.memory import release_freed_memory
 from .dtypes import dtype_name, precision_label
@@ -284,21 +284,23 @@ def _live(ref: Side, cand: Side, inputs: Inputs, options: Options) -> Report:
         return _decoded(ref, cand, inputs, options)
     lockstep = ref.lockstep or cand.lockstep
     localize = lambda free_run: _localize(ref, cand, inputs, options, free_run=free_run)  # noqa: E731
+    record = None
     # -- --backward: the gradients localized after the forward (blockdiff.backward) --
     if options.backward:
         if options.save_dumps is not None or options.stream or options.rank:
             raise InputError("--backward runs in memory: not with --stream, --save-dumps or --rank")
         backward.refuse_backward(ref, cand)
-        forward = localize
+        forward, recorder = localize, backward.Recorder(ref, options.loss)
+        record = recorder.record  # the forward recorded in the run its backward differentiates
         localize = lambda free_run: backward.judge(  # noqa: E731
-            ref, cand, inputs, forward(free_run), tolerance=options.tolerance, loss=options.loss
+            ref, cand, inputs, forward(free_run), tolerance=options.tolerance, loss=options.loss, recorded=recorder
         )
     # -- end of --backward --
     with ExitStack() as stack:
         stack.enter_context(ref.running())
         stack.enter_context(cand.running())
         if options.save_dumps is None and not options.stream:
-            return _in_memory([ref, cand], inputs, localize, lockstep=lockstep)
+            return _in_memory([ref, cand], inputs, localize, lockstep=lockstep, record=record)
         if options.save_dumps is not None and distributed.rank() == 0:
             folder = Path(options.save_dumps)
         else:
@@ -800,10 +802,13 @@ def _stream(
 
 
 def _in_memory(
-    sides: list[Side], inputs: Inputs, localize: Callable[[Callable[[Side], MemoryStore]], Report], *, lockstep: bool
+    sides: list[Side], inputs: Inputs, localize: Callable[[Callable[[Side], MemoryStore]], Report], *, lockstep: bool,
+    record: Callable[..., Recording] | None = None,
 ) -> Report:
     """Record each side into memory and localize from there: ``localize(free_run)``, where
     ``free_run(side)`` records the reference at the candidate's precision (drift floors).
+    ``record(side, inputs, store, hold=, progress=)`` records one side (default
+    ``side.record``; a backward diff's records its backward with it: :class:`backward.Recorder`).
 
     Memory stores hold the models' own CPU tensors, the free run's too. Should a model
     write into one of them while localization runs it again (a module reusing a buffer it
@@ -811,16 +816,18 @@ def _in_memory(
     run is repeated on copies (from the start, in ``lockstep``).
     """
 
+    recorded = record or (lambda side, *args, **kwargs: side.record(*args, **kwargs))
+
     def attempt(copy: bool) -> Report:
         hold = None if copy else "kept"
         recordings = [
-            run_model_code(side.name, side.record, inputs, MemoryStore(side.meta), hold=hold, progress=_progress(side))
+            run_model_code(side.name, recorded, side, inputs, MemoryStore(side.meta), hold=hold, progress=_progress(side))
             for side in sides
         ]
 
         def free_run(side: Side) -> MemoryStore:
             store = MemoryStore(side.meta)
-            recordings.append(run_model_code(side.name, side.record, inputs, store, hold=hold, progress=None))
+            recordings.append(run_model_code(side.name, recorded, side, inputs, store, hold=hold, progress=None))
             return store
 
         report = localize(free_run)

@@ -193,6 +193,56 @@ def test_backward_refuses_what_it_cannot_do(tmp_path):
         run(tinylm.build(), tinylm.build(), IDS[:, :1], options=Options(backward=True))
 
 
+def _ported(model: torch.nn.Module) -> torch.nn.Module:
+    """The same model as other code: every module under a class of its own (no experiment
+    is the floor's, every floor is measured)."""
+    for module in model.modules():
+        module.__class__ = type("Ported" + type(module).__name__, (type(module),), {})
+    return model
+
+
+@pytest.mark.parametrize("build", [hf_llama.build, tinylm.build_moe], ids=["hf-llama", "moe"])
+def test_each_model_runs_forward_once_and_shared_runs_change_no_number(build, monkeypatch):
+    """A backward diff records each side's forward in the run its backward differentiates,
+    and a floor's whole-block run that is its residual's is run once: the report is the one
+    separate runs give, number for number."""
+    from blockdiff import backward
+
+    def diffed() -> tuple[dict, dict[str, int]]:
+        reference, candidate = build(), _ported(build()).to(torch.bfloat16)
+        forwards = {"reference": 0, "candidate": 0}
+        for name, model in (("reference", reference), ("candidate", candidate)):
+            # (the floor side's cast copy of the reference copies the hook: its runs are not counted)
+            model.register_forward_pre_hook(
+                lambda module, _, name=name, model=model: forwards.__setitem__(name, forwards[name] + (module is model))
+            )
+        report = run(reference, candidate, IDS, options=Options(backward=True))
+        assert report.verdict() == "forward: no divergence; backward: no divergence"
+        assert report.tolerance["policy"] == "calibrated"
+        data = report.to_dict()
+        for part in (data, data["backward"]):
+            part.pop("created")  # when it ran
+        return data, forwards
+
+    shared, forwards = diffed()
+    assert forwards == {"reference": 1, "candidate": 1}
+    probe = backward.BackwardExperiments.residual_probe
+    found: list[dict] = []
+
+    def kept_apart(self, side, block, sites, shares):  # what it finds is not handed back: the residual runs
+        found.append({})
+        return probe(self, side, block, sites, found[-1])
+
+    monkeypatch.setattr(backward.BackwardExperiments, "residual_probe", kept_apart)
+    monkeypatch.setattr(backward.Recorder, "record", lambda self, side, inputs, store, **kw: side.record(inputs, store, **kw))
+    apart, forwards = diffed()
+    assert forwards == {"reference": 2, "candidate": 2}
+    # Where no block has MoE routing, every block's floor run is its residual's.
+    if build is hf_llama.build:
+        assert len(found) == 4 and all(shares and all(shares.values()) for shares in found)
+    assert apart == shared
+
+
 def test_the_users_models_are_left_as_they_were():
     reference, candidate = tinylm.build(), backward_bugs.residual_detached()
     candidate.blocks[0].attn.q_proj.weight.requires_grad_(False)

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..capture import Recording, record_once
-from ..errors import PairingError
+from ..capture import Recording, Snapshots, capture, record_once
+from ..errors import PairingError, TensorChanged
 from ..hooking import BufferCache, Hooks
 from ..hookmap import Layout
 from ..autodetect import configured_vocab_size
@@ -447,8 +447,33 @@ class LiveSide(SideDefaults):
 
     # -- backward (blockdiff.backward): the side runs its model's backward, and a module's ---
 
+    def record_with_gradients(
+        self, inputs: Inputs, store: SiteStore, loss: Callable[[Any, Inputs], torch.Tensor], *,
+        hold: str | None, progress: Callable[[int, int], None] | None = None, parameters: bool = True,
+    ) -> tuple[Recording, "Gradients"]:
+        """:meth:`record` and :meth:`record_gradients` in one run: the forward that the
+        backward differentiates is the one recorded (with autograd on, which computes the
+        same bits as without it for a model run eagerly; a compiled model's graphs differ
+        between the two, so a backward diff records it apart). ``hold`` as for
+        :func:`~blockdiff.capture.record_once`: aliases of the model's own tensors are
+        checked once the backward is over too.
+
+        Raises:
+            TensorChanged: a tensor recorded by reference was changed in place."""
+        self.store = store
+        snapshot = Snapshots(by_reference=hold, lockstep=self.lockstep)
+        found = self.record_gradients(
+            inputs, loss, parameters=parameters,
+            recorded=lambda: capture(self.module(""), self.layout, store, snapshot=snapshot, progress=progress, lockstep=self.lockstep),
+        )
+        recording = Recording(snapshot)
+        if recording.changed():
+            raise TensorChanged("a tensor recorded by reference was changed in place after its hook")
+        return recording, found
+
     def record_gradients(
-        self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True
+        self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True,
+        recorded: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> "Gradients":
         """The whole model run forward and backward on ``inputs`` (autograd on, in the mode
         the diff holds it: eval), ``loss(output, inputs)`` its scalar: the gradient of every
@@ -458,7 +483,8 @@ class LiveSide(SideDefaults):
         The parameters' ``.grad`` stay as they were (``torch.autograd.grad``); their
         ``requires_grad`` flags are restored; the hooks (on the model: global state) are
         removed on every path. A call that a recomputation makes during the backward
-        (activation checkpointing) records nothing: the forward's calls are the sites."""
+        (activation checkpointing) records nothing: the forward's calls are the sites.
+        ``recorded``: a context (a capture) the forward alone runs in."""
         model = self.module("")
         found = Gradients()
         calls: dict[str, int] = {}
@@ -514,7 +540,8 @@ class LiveSide(SideDefaults):
                 seen.add(id(modules[path]))
                 hooks.before(modules[path], pre(path))
                 hooks.after(modules[path], post(path))
-            output = run_model(model, inputs)
+            with recorded() if recorded is not None else contextlib.nullcontext():
+                output = run_model(model, inputs)
             over[0] = True
             value = loss(output, inputs)
             # Gradients of what the hooks hear (so that the backward reaches every site), and
