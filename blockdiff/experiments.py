@@ -15,9 +15,8 @@ what comes out with what the reference recorded:
 
 Under the calibrated policy, :meth:`Experiments.with_floor` runs the same experiment on
 the reference's own code at the candidate's precision (:class:`~blockdiff.sides.live.PrecisionSide`):
-the check's noise floor. When the candidate *is* that code (a model against its own cast)
-and a floor experiment's call is bit for bit the one the candidate's check made, the
-floor is that check's output, not a second run (:meth:`Experiments.floor_is_check`).
+the check's noise floor. When the candidate *is* that code (a model against its own cast),
+each floor is its check's output, not a second run (:meth:`Experiments.floor_is_check`).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from .hookmap import BlockLayout
 from .pairing import BlockPair, in_order
 from .report import Check
 from .sides import Frozen, Side, received_dtype
-from .site import Opaque, Site, describe_key, map_opaque, map_structure, primary_tensor, replace_primary, with_hidden
+from .site import Opaque, Site, describe_key, map_opaque, map_structure, primary_tensor
 from .tolerance import Tolerance, working_dtype
 from .store import SiteStore
 from .vocab import BLOCK_TARGET, DRIFT
@@ -144,46 +143,21 @@ class Experiments:
             and not self.cand.lockstep
         )
 
-    def floor_is_check(
-        self, r: Site, c: Site, hidden: dict[str, torch.Tensor], frozen: Frozen | None = None,
-        modules: tuple[dict[str, str], dict[str, str]] | None = None,
-    ) -> bool:
+    def floor_is_check(self, r: Site, c: Site, modules: tuple[dict[str, str], dict[str, str]] | None = None) -> bool:
         """Whether the floor experiment of the reference's call ``r`` is the experiment the
-        candidate's check ran, so that its output is the floor's, with no second run.
+        candidate's check ran on ``c``, so that its output is the floor's, with no second run.
 
-        The floor side replays ``r`` with every floating tensor cast to its dtype; the
-        candidate replayed its own call ``c`` with the activations ``hidden`` (as the
-        candidate receives them: :func:`as_received`). When the floor side runs the
-        candidate's code (:attr:`floor_runs_candidate`), the module is the same path on
-        both, and the two calls are the same bit for bit (tensors with the same strides,
-        the same plain values, no object that is not the very same), the two runs compute
-        the same thing from the same bits. A block run with modules frozen (``frozen``: by
-        (sub-path, ordinal), the reference's site and the candidate's; ``modules``: the
-        block's modules, relative, on each side) needs each frozen module to answer the same
-        on both: the candidate's own recorded output with the reference's primary tensor
-        in it, against the reference's whole output cast — a router's decision is not
-        compared, and makes it ``False``.
-
-        Where the candidate's own rotary tables or masks differ from the reference's cast
-        (a ``inv_freq`` buffer cast with the model), the calls differ and the floor runs."""
-        if not self.floor_runs_candidate or r.module != c.module or (modules is not None and modules[0] != modules[1]):
-            return False
-        assert self.floor_side is not None
-        dtype = self.floor_side.dtype
-        own = c.hidden_inputs()
-        args, kwargs = with_hidden(c.args, c.kwargs, as_received(hidden, own), c.activations)
-        if not same_arguments((r.args, r.kwargs), (args, kwargs), dtype, strides=True):
-            return False
-        for key, (r_site, c_site) in (frozen or {}).items():
-            primary, like = r_site.primary_output(), c_site.primary_output()
-            if key[0] == "router" or r_site.module != c_site.module or primary is None or like is None:
-                return False
-            # What the candidate's frozen module answers: its own output, the reference's
-            # primary tensor in it (in its own dtype); the floor's: the reference's output, cast.
-            answers = replace_primary(c_site.output, as_received({"primary": primary}, {"primary": like})["primary"])
-            if not same_arguments(r_site.output, answers, dtype, strides=True):
-                return False
-        return True
+        It is when the floor side runs the candidate's own code (:attr:`floor_runs_candidate`:
+        the whole candidate is the reference's code at its precision, a model against its
+        own cast) on the same module (``modules``: a block's modules, relative, on each
+        side): every call the candidate made is the call the floor's own code makes at that
+        precision — its other arguments too (rotary tables and masks, computed by the same
+        code at the same precision), and a frozen module answers alike on both — so each
+        number of the floor is the check's (the design's "its error equals the floor
+        exactly"). Replaying the reference's rotary tables cast instead would measure a
+        floor for code the candidate does not run (its tables come from an ``inv_freq``
+        cast with the model)."""
+        return self.floor_runs_candidate and r.module == c.module and (modules is None or modules[0] == modules[1])
 
     def drift(self, r: Site, c: Site) -> Metrics | None:
         """The free-running candidate's output against the reference's at one site."""
@@ -279,7 +253,7 @@ class Experiments:
         measured = metrics(expected, out, dtype=self.dtype)
 
         def measure(side: Side) -> float:
-            got = ran if self.floor_is_check(r, c, hidden) else self.floor_output(side, r)
+            got = ran if self.floor_is_check(r, c) else self.floor_output(side, r)
             return self.floor_l2(ref_out, got, (expected, out, measured))
 
         floor = self.with_floor(key, measure)
@@ -381,9 +355,7 @@ class Experiments:
             """Each compared tensor's floor, by what it is ("output", "norm#1"): for every
             module of the reference's block, so that floors a dump stores fit any candidate."""
             frozen_f = {key: (r, r) for key, (r, _) in frozen_c.items()}  # the reference's own record
-            if self.floor_is_check(
-                r_block, c_block, ref_in, frozen_c, (relative(pair.ref_layout), relative(pair.cand_layout))
-            ):
+            if self.floor_is_check(r_block, c_block, (relative(pair.ref_layout), relative(pair.cand_layout))):
                 f_out, f_reached = out, reached  # the candidate's run was this very run
             elif frozen_f:
                 f_out, f_reached = side.run_block(r_block.module, r_block, None, relative(pair.ref_layout), frozen_f)

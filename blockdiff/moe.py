@@ -288,8 +288,10 @@ def moe_checks(exp: Experiments, pair: BlockPair, r_ffn: Site, c_ffn: Site) -> l
     out = exp.cand.call_module(c_router.module, c_router, r_router.hidden_inputs())
     cand = side_decision(exp.cand, c_layout, c_router, snapshot(out))
     # The router's whole output at the candidate's precision (what a dump stores).
+    # (The candidate's own run, when it is the floor's: exp.floor_is_check.)
     floor_output = exp.with_floor(
-        f"router:{describe_key(r_router.key)}", lambda side: snapshot(side.call_module(r_router.module, r_router))
+        f"router:{describe_key(r_router.key)}",
+        lambda side: snapshot(out if exp.floor_is_check(r_router, c_router) else side.call_module(r_router.module, r_router)),
     )
     floor = None if floor_output is None else side_decision(exp.ref, r_layout, r_router, floor_output)
     checks = router_checks(ref, cand, floor, module=c_router.module, tolerance=exp.tolerance, dtype=exp.dtype)
@@ -308,7 +310,10 @@ def moe_checks(exp: Experiments, pair: BlockPair, r_ffn: Site, c_ffn: Site) -> l
     check_shapes(describe_key(c_ffn.key), "output", ref_out, out)
     experts_floor = exp.with_floor(
         f"experts:{describe_key(r_ffn.key)}",
-        lambda side: metrics(ref_out, frozen_routing(side, r_ffn, r_router, r_router, None), dtype=exp.dtype).rel_l2
+        lambda side: metrics(
+            ref_out, out if exp.floor_is_check(r_ffn, c_ffn) else frozen_routing(side, r_ffn, r_router, r_router, None),
+            dtype=exp.dtype,
+        ).rel_l2,
     )
     checks.append(exp.check("ffn", EXPERTS, c_ffn.module, ref_out, out, experts_floor))
     return checks

@@ -50,19 +50,34 @@ def goldens(tmp_path_factory):
     return paths
 
 
+def other_code(build):
+    """``build``'s model as code of its own: every module under a subclass of its class, of
+    the same name (the hook maps find it). Clean and the same computation, but not the
+    reference's code cast (not its twin): every live floor is measured, as a stored one is."""
+
+    def built(**kwargs):
+        model = build(**kwargs)
+        for module in model.modules():
+            own = type(module)
+            module.__class__ = type(own.__name__, (own,), {"__qualname__": own.__qualname__, "__module__": own.__module__})
+        return model
+
+    return built
+
+
 MOE_GOLDEN = {"build_moe": "moe", "build_moe_unnormalized": "unnormalized"}
 CASES = (
-    [("tinylm", tinylm.build, "clean", tinylm.build)]
+    [("tinylm", tinylm.build, "clean", other_code(tinylm.build))]
     + [("tinylm", tinylm.build, name, getattr(bugs, name)) for name in bugs.BUGS]
-    + [("moe", tinylm.build_moe, "clean", tinylm.build_moe)]
+    + [("moe", tinylm.build_moe, "clean", other_code(tinylm.build_moe))]
     + [(MOE_GOLDEN[b[0]], getattr(tinylm, b[0]), name, getattr(bugs, name)) for name, b in bugs.MOE_BUGS.items()]
     + [("hf_llama", hf_llama.build, name, getattr(hf_llama, name)) for name in hf_llama.BUGS]
-    + [("hf_llama", hf_llama.build, "clean", hf_llama.build)]
+    + [("hf_llama", hf_llama.build, "clean", other_code(hf_llama.build))]
     + [
         (f"hf_{arch}", functools.partial(hf_moe.build, arch=arch), name, functools.partial(getattr(hf_moe, name), arch=arch))
         for name, (arch, _) in hf_moe.BUGS.items()
     ]
-    + [("hf_mixtral", hf_moe.build, "clean", hf_moe.build)]
+    + [("hf_mixtral", hf_moe.build, "clean", other_code(hf_moe.build))]
 )
 
 
@@ -79,6 +94,19 @@ def test_replay_with_stored_floors_is_the_live_calibrated_diff(goldens, golden, 
     for key, (ratio, basis) in expected.items():
         assert got[key][1] == basis
         assert got[key][0] == pytest.approx(ratio, rel=0.01, abs=1e-9), key
+
+
+@pytest.mark.parametrize("golden, build", [("tinylm", tinylm.build), ("hf_llama", hf_llama.build)])
+def test_a_models_own_cast_is_clean_against_stored_floors_and_live(goldens, golden, build, ids):
+    """The reference's own cast: live, its every floor is its own number (the floor side's
+    code is its code: tests/test_twins.py); replayed, the stored floors, measured on the
+    reference's calls cast, judge it; both blame nothing."""
+    live = blockdiff.diff(build(), build().to(torch.bfloat16), ids)
+    stored = replay(goldens[golden], build().to(torch.bfloat16))
+    assert blamed(live) is None and blamed(stored) is None
+    assert stored.tolerance["floors"] == "stored bfloat16@cpu"
+    assert all(basis == "calibrated" for _, basis in _checks(stored).values())
+    assert all(c.threshold.floor == c.metrics.rel_l2 for b in live.blocks for r in b.subpaths.values() for c in r.checks)
 
 
 def test_without_floors_for_the_candidate_the_report_says_why(goldens, tmp_path, ids):
