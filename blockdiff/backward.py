@@ -49,7 +49,7 @@ from .report import BlockResult, Check, Report, StageResult, SubpathResult
 from .sides import Side
 from .capture import Recording
 from .sides.compiled import compile_context
-from .sides.live import Gradients, LiveSide, PrecisionSide, ReplicaSplit
+from .sides.live import Gradients, Graphs, LiveSide, PrecisionSide, ReplicaSplit
 from .sides.precision import twins
 from .site import Site, describe_key, for_replay, hidden_states, iter_tensors, map_structure, primary_tensor, replace_primary, with_hidden
 from .tolerance import Threshold, Tolerance, working_dtype
@@ -153,8 +153,10 @@ class Recorder:
     a live model run eagerly is recorded by :meth:`LiveSide.record_with_gradients`, one run
     for the forward diff's record and the backward's gradients (the reference with its
     parameters' gradients, the candidate and the floor side without), kept in
-    :attr:`gradients` by side; any other side records as it would (its gradients are
-    recorded apart by :func:`judge`). The loss is resolved before anything runs.
+    :attr:`gradients` by side; the candidate's and the floor side's module experiments in
+    the forward diff keep their graphs for the backward's (:class:`~blockdiff.sides.live.Graphs`).
+    Any other side records as it would (its gradients are recorded apart by :func:`judge`).
+    The loss is resolved before anything runs.
 
     >>> recorder = Recorder(ref, None)                                  # doctest: +SKIP
     >>> recorder.record(ref, ids, MemoryStore(), hold="kept", progress=None)  # doctest: +SKIP
@@ -164,6 +166,7 @@ class Recorder:
         self.ref = ref
         self.loss, self.named = resolve_loss(loss)
         self.gradients: dict[int, Gradients] = {}
+        self.kept: list[Side] = []  # the sides whose module experiments keep their graphs (Graphs)
 
     def record(self, side: Side, inputs: Inputs, store: Any, *, hold: str | None, progress: Any) -> Recording:
         if type(side) not in (LiveSide, PrecisionSide) or any(compile_context(m) is not None for m in side.module("").modules()):  # type: ignore[attr-defined]
@@ -172,6 +175,9 @@ class Recorder:
             inputs, store, self.loss, hold=hold, progress=progress, parameters=side is self.ref
         )
         self.gradients[id(side)] = found
+        if side is not self.ref:  # the candidate and the floor side: their experiments' graphs kept
+            side.graphs = Graphs()  # type: ignore[attr-defined]
+            self.kept.append(side)
         return recording
 
 
@@ -188,8 +194,15 @@ def judge(
     refuse_backward(ref, cand)
     run, named = (recorded.loss, recorded.named) if recorded is not None else resolve_loss(loss)
     resolved = (tolerance or Tolerance()).resolved(same_dtype=ref.dtype == cand.dtype, same_device=ref.device == cand.device)
-    experiments = BackwardExperiments(ref, cand, inputs, resolved, run, recorded={} if recorded is None else recorded.gradients)
-    back = experiments.report(forward, named)
+    kept = [] if recorded is None else recorded.kept
+    for side in kept:  # the forward diff is over: a module run from here is the backward's own
+        side.graphs.open = False  # type: ignore[attr-defined]
+    try:
+        experiments = BackwardExperiments(ref, cand, inputs, resolved, run, recorded={} if recorded is None else recorded.gradients)
+        back = experiments.report(forward, named)
+    finally:
+        for side in kept:  # what the backward did not take
+            side.graphs = None  # type: ignore[attr-defined]
     forward.backward = back
     forward.notes.append(back.notes[0])
     return forward

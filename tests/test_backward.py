@@ -204,18 +204,21 @@ def _ported(model: torch.nn.Module) -> torch.nn.Module:
 @pytest.mark.parametrize("build", [hf_llama.build, tinylm.build_moe], ids=["hf-llama", "moe"])
 def test_each_model_runs_forward_once_and_shared_runs_change_no_number(build, monkeypatch):
     """A backward diff records each side's forward in the run its backward differentiates,
-    and a floor's whole-block run that is its residual's is run once: the report is the one
-    separate runs give, number for number."""
+    each module experiment's backward runs on the graph of the forward diff's experiment on
+    that call, and a floor's whole-block run that is its residual's is run once: the report
+    is the one separate runs give, number for number."""
     from blockdiff import backward
 
     def diffed() -> tuple[dict, dict[str, int]]:
         reference, candidate = build(), _ported(build()).to(torch.bfloat16)
-        forwards = {"reference": 0, "candidate": 0}
+        forwards = {"reference": 0, "candidate": 0, "candidate's modules": 0}
         for name, model in (("reference", reference), ("candidate", candidate)):
             # (the floor side's cast copy of the reference copies the hook: its runs are not counted)
             model.register_forward_pre_hook(
                 lambda module, _, name=name, model=model: forwards.__setitem__(name, forwards[name] + (module is model))
             )
+        for module in candidate.modules():
+            module.register_forward_pre_hook(lambda *_: forwards.__setitem__("candidate's modules", forwards["candidate's modules"] + 1))
         report = run(reference, candidate, IDS, options=Options(backward=True))
         assert report.verdict() == "forward: no divergence; backward: no divergence"
         assert report.tolerance["policy"] == "calibrated"
@@ -225,6 +228,7 @@ def test_each_model_runs_forward_once_and_shared_runs_change_no_number(build, mo
         return data, forwards
 
     shared, forwards = diffed()
+    modules = forwards.pop("candidate's modules")
     assert forwards == {"reference": 1, "candidate": 1}
     probe = backward.BackwardExperiments.residual_probe
     found: list[dict] = []
@@ -236,6 +240,8 @@ def test_each_model_runs_forward_once_and_shared_runs_change_no_number(build, mo
     monkeypatch.setattr(backward.BackwardExperiments, "residual_probe", kept_apart)
     monkeypatch.setattr(backward.Recorder, "record", lambda self, side, inputs, store, **kw: side.record(inputs, store, **kw))
     apart, forwards = diffed()
+    # Apart, each module experiment's forward runs again in the backward's (Graphs kept none).
+    assert forwards.pop("candidate's modules") > modules
     assert forwards == {"reference": 2, "candidate": 2}
     # Where no block has MoE routing, every block's floor run is its residual's.
     if build is hf_llama.build:

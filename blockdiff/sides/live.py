@@ -106,6 +106,8 @@ class LiveSide(SideDefaults):
 
     # Replayed floating arguments are cast to this dtype; None keeps each its own.
     cast: torch.dtype | None = None
+    # The module experiments' graphs kept for a backward diff (Graphs), else None.
+    graphs: "Graphs | None" = None
 
     def record(
         self, inputs: Inputs, store: SiteStore, *, hold: str | None, progress: Callable[[int, int], None] | None = None
@@ -333,7 +335,10 @@ class LiveSide(SideDefaults):
         return self._module_on(path, call, hidden, self._written_stream(("module", path), call, hidden))
 
     def _module_on(self, path: str, call: Site, hidden: Hidden | None, cache: Any) -> Any:
-        """Module ``path`` run on ``call`` (activations ``hidden``) with ``cache``."""
+        """Module ``path`` run on ``call`` (activations ``hidden``) with ``cache``; its graph
+        kept for the backward's experiment on the same call while :attr:`graphs` is open."""
+        if self.graphs is not None and self.graphs.open and cache is None:
+            return self.graphs.forward(self, path, call, hidden)
         args, kwargs = self._replay(call, hidden, cache)
         with _on(cache, self.module(path)):
             return self.runnable(path)(*args, **kwargs)
@@ -568,14 +573,18 @@ class LiveSide(SideDefaults):
         modules under ``path`` (relative paths) whose ``forward`` is ``make(original)`` for
         this one run (undone when it ends)."""
         module = self.module(path)
-        leaves = {role: t.detach().requires_grad_() for role, t in hidden.items() if t.is_floating_point()}
+        kept = self.graphs.take(path, call, hidden) if self.graphs is not None and not replaced else None
+        leaves = kept[0] if kept else {role: t.detach().requires_grad_() for role, t in hidden.items() if t.is_floating_point()}
         params = [(name, p) for name, p in module.named_parameters() if p.is_floating_point()] if parameters else []
         with Hooks() as hooks, _requiring_grad([p for _, p in params]), torch.inference_mode(False), torch.enable_grad():
-            named = dict(module.named_modules())
-            for rel, make in (replaced or {}).items():
-                hooks.replace_forward(named[rel], make)
-            args, kwargs = self._replay(call, leaves)
-            out = primary_tensor(self.runnable(path, module)(*args, **kwargs))
+            if kept:  # the forward diff ran this very forward, autograd on: its graph
+                out = primary_tensor(kept[1])
+            else:
+                named = dict(module.named_modules())
+                for rel, make in (replaced or {}).items():
+                    hooks.replace_forward(named[rel], make)
+                args, kwargs = self._replay(call, leaves)
+                out = primary_tensor(self.runnable(path, module)(*args, **kwargs))
             if out is None or not out.requires_grad:
                 raise PairingError(f"{call.label}: the module returned no tensor that depends on its inputs or weights")
             seed = self._seed(path, call, out, grad)
@@ -662,6 +671,45 @@ class LiveSide(SideDefaults):
                 seed = replayed_copy(grad, out.device, out.dtype).reshape(out.shape)
                 torch.autograd.grad(out, [*leaves.values(), *params], seed, allow_unused=True)
         return [(s, into.get(s.order), out_of.get(s.order)) for s in recorded.innermost()]
+
+
+class Graphs:
+    """The graphs of a side's module experiments in a forward diff, kept for the backward
+    diff that follows (:mod:`blockdiff.backward`): the backward's experiment on a module is
+    the forward's — the same module on the same call with the same activations — run again
+    with autograd on; kept, it runs its backward alone. While :attr:`open` (the forward
+    diff), :meth:`LiveSide.call_module` runs each module with autograd on (every floating
+    parameter requiring grad, the activations leaves) — the same bits as without it, in
+    eager code — keeps its output's graph and hands the forward diff the output detached;
+    :meth:`take` hands each graph over once. Only for a side run eagerly in one process."""
+
+    def __init__(self) -> None:
+        self.open = True
+        self._kept: dict[tuple, tuple[dict[str, torch.Tensor], Any]] = {}
+
+    @staticmethod
+    def _key(path: str, call: Site, hidden: Hidden | None) -> tuple:
+        given = call.hidden_inputs() if hidden is None else hidden
+        return path, id(call), tuple(sorted((role, id(t)) for role, t in given.items()))
+
+    def forward(self, side: "LiveSide", path: str, call: Site, hidden: Hidden | None) -> Any:
+        """``side``'s module ``path`` on ``call`` (activations ``hidden``, else the call's
+        own), its graph kept; the output detached."""
+        given = call.hidden_inputs() if hidden is None else hidden
+        leaves = {role: t.detach().requires_grad_() for role, t in given.items() if t.is_floating_point()}
+        module = side.module(path)
+        params = [p for p in module.parameters() if p.is_floating_point()]
+        with _requiring_grad(params), torch.inference_mode(False), torch.enable_grad():
+            args, kwargs = side._replay(call, leaves)
+            out = side.runnable(path, module)(*args, **kwargs)
+        self._kept[self._key(path, call, hidden)] = (leaves, out)
+        return map_structure(out, lambda t: t.detach())
+
+    def take(self, path: str, call: Site, hidden: Hidden) -> tuple[dict[str, torch.Tensor], Any] | None:
+        """The kept (activation leaves, output) of module ``path`` on ``call`` with the
+        activations ``hidden`` (the very tensors), once; ``None`` when none was kept."""
+        return self._kept.pop(self._key(path, call, hidden), None)
+
 
 class PrecisionSide(LiveSide):
     """A live side's code in another dtype and device: the modules it runs are one copy of
@@ -835,4 +883,4 @@ def _requiring_grad(params: list[torch.Tensor]) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
-__all__ = ["LiveSide", "PrecisionSide", "cache_buffers", "eval_mode", "Gradients", "ReplicaSplit"]
+__all__ = ["LiveSide", "PrecisionSide", "cache_buffers", "eval_mode", "Gradients", "Graphs", "ReplicaSplit"]

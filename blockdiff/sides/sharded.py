@@ -22,7 +22,7 @@ from torch import nn
 from .. import distributed
 from ..capture import Recording, record_once
 from ..compare import Metrics, metrics
-from ..errors import InputError, PairingError
+from ..errors import PairingError
 from ..hookmap import Layout
 from ..inputs import Inputs
 from ..pairing import output_position
