@@ -703,7 +703,7 @@ class Graphs:
             args, kwargs = side._replay(call, leaves)
             out = side.runnable(path, module)(*args, **kwargs)
         self._kept[self._key(path, call, hidden)] = (leaves, out)
-        return map_structure(out, lambda t: t.detach())
+        return _detached(out)
 
     def take(self, path: str, call: Site, hidden: Hidden) -> tuple[dict[str, torch.Tensor], Any] | None:
         """The kept (activation leaves, output) of module ``path`` on ``call`` with the
@@ -868,6 +868,18 @@ class ReplicaSplit:
     which: str
     ranks: list[int]
     measured: Any
+
+
+def _detached(obj: Any) -> Any:
+    """``obj`` with each tensor detached, in tuples and lists too (named tuples kept); any
+    other object as it is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_detached(v) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_detached(v) for v in obj)
+    return obj
 
 
 @contextlib.contextmanager
