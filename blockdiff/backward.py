@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import distributed
+from .capture import Recording
 from .compare import Metrics, metrics, rel_l2
 from .errors import InputError, run_model_code
 from .experiments import aligned, same_arguments, same_call
@@ -47,7 +48,6 @@ from .inputs import Inputs
 from .pairing import BlockPair, pair_block, pair_outside
 from .report import BlockResult, Check, Report, StageResult, SubpathResult
 from .sides import Side
-from .capture import Recording
 from .sides.compiled import compile_context
 from .sides.live import Gradients, Graphs, LiveSide, PrecisionSide, ReplicaSplit
 from .sides.precision import twins
