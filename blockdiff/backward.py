@@ -48,8 +48,7 @@ from .inputs import Inputs
 from .pairing import BlockPair, pair_block, pair_outside
 from .report import BlockResult, Check, Report, StageResult, SubpathResult
 from .sides import Side
-from .sides.compiled import compile_context
-from .sides.live import Gradients, Graphs, LiveSide, PrecisionSide, ReplicaSplit
+from .sides.live import Gradients, Graphs, ReplicaSplit
 from .sides.precision import twins
 from .site import Site, describe_key, for_replay, hidden_states, iter_tensors, map_structure, primary_tensor, replace_primary, with_hidden
 from .tolerance import Threshold, Tolerance, working_dtype
@@ -150,7 +149,7 @@ def refuse_backward(*sides: Side) -> None:
 
 class Recorder:
     """The forward records of a backward diff, each with its side's free-running backward:
-    a live model run eagerly is recorded by :meth:`LiveSide.record_with_gradients`, one run
+    a live model run eagerly in one process is recorded by :meth:`LiveSide.record_with_gradients`, one run
     for the forward diff's record and the backward's gradients (the reference with its
     parameters' gradients, the candidate and the floor side without), kept in
     :attr:`gradients` by side; the candidate's and the floor side's module experiments in
@@ -169,11 +168,11 @@ class Recorder:
         self.kept: list[Side] = []  # the sides whose module experiments keep their graphs (Graphs)
 
     def record(self, side: Side, inputs: Inputs, store: Any, *, hold: str | None, progress: Any) -> Recording:
-        if type(side) not in (LiveSide, PrecisionSide) or any(compile_context(m) is not None for m in side.module("").modules()):  # type: ignore[attr-defined]
-            return side.record(inputs, store, hold=hold, progress=progress)
         recording, found = side.record_with_gradients(  # type: ignore[attr-defined]
             inputs, store, self.loss, hold=hold, progress=progress, parameters=side is self.ref
         )
+        if found is None:  # recorded alone (a compiled model, a side split across ranks)
+            return recording
         self.gradients[id(side)] = found
         if side is not self.ref:  # the candidate and the floor side: their experiments' graphs kept
             side.graphs = Graphs()  # type: ignore[attr-defined]

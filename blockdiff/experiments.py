@@ -526,10 +526,9 @@ def same_call(call: Site, own: Site, dtype: torch.dtype | None) -> bool:
     return same_arguments((call.args, call.kwargs), (own.args, own.kwargs), dtype)
 
 
-def same_arguments(recorded: Any, own: Any, dtype: torch.dtype | None, *, strides: bool = False) -> bool:
+def same_arguments(recorded: Any, own: Any, dtype: torch.dtype | None) -> bool:
     """Whether the recorded structure ``recorded``, its floating tensors cast to ``dtype``,
-    is ``own``: :func:`same_call` of any structure (a call's arguments, a module's output);
-    with ``strides``, each pair of tensors laid out alike too."""
+    is ``own``: :func:`same_call` of any structure (a call's arguments, a module's output)."""
     mine: list[torch.Tensor] = []
     theirs: list[torch.Tensor] = []
     shape_a = map_structure(recorded, lambda t: mine.append(t) or _TENSOR)
@@ -545,8 +544,6 @@ def same_arguments(recorded: Any, own: Any, dtype: torch.dtype | None, *, stride
     for a, b in zip(mine, theirs):  # one tensor at a time: most calls differ in the first
         if dtype is not None and a.is_floating_point() and dtype.is_floating_point:
             a = a.to(dtype)
-        if strides and a.stride() != b.stride() and a.numel() > 1:
-            return False
         if not same_bits({"t": a}, {"t": b}):
             return False
     return True

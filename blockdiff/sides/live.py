@@ -60,7 +60,7 @@ from ..site import (
 )
 from ..store import SiteStore
 from . import Frozen, Hidden, Side, SideDefaults, received_dtype
-from .compiled import compiled_code_limits, compiled_forwards, compiled_runnable
+from .compiled import compile_context, compiled_code_limits, compiled_forwards, compiled_runnable
 from .precision import cast_copy, twins
 
 
@@ -335,10 +335,15 @@ class LiveSide(SideDefaults):
         return self._module_on(path, call, hidden, self._written_stream(("module", path), call, hidden))
 
     def _module_on(self, path: str, call: Site, hidden: Hidden | None, cache: Any) -> Any:
-        """Module ``path`` run on ``call`` (activations ``hidden``) with ``cache``; its graph
-        kept for the backward's experiment on the same call while :attr:`graphs` is open."""
+        """Module ``path`` run on ``call`` (activations ``hidden``) with ``cache``; while
+        :attr:`graphs` is open, with autograd on and its graph kept for the backward's
+        experiment on the same call (the output handed back detached)."""
         if self.graphs is not None and self.graphs.open and cache is None:
-            return self.graphs.forward(self, path, call, hidden)
+            given = call.hidden_inputs() if hidden is None else hidden
+            params = [p for p in self.module(path).parameters() if p.is_floating_point()]
+            with self._graph(path, call, given, params) as (leaves, out):
+                self.graphs.keep(path, call, given, leaves, out)
+            return _detached(out)
         args, kwargs = self._replay(call, hidden, cache)
         with _on(cache, self.module(path)):
             return self.runnable(path)(*args, **kwargs)
@@ -455,16 +460,20 @@ class LiveSide(SideDefaults):
     def record_with_gradients(
         self, inputs: Inputs, store: SiteStore, loss: Callable[[Any, Inputs], torch.Tensor], *,
         hold: str | None, progress: Callable[[int, int], None] | None = None, parameters: bool = True,
-    ) -> tuple[Recording, "Gradients"]:
+    ) -> tuple[Recording, "Gradients | None"]:
         """:meth:`record` and :meth:`record_gradients` in one run: the forward that the
         backward differentiates is the one recorded (with autograd on, which computes the
-        same bits as without it for a model run eagerly; a compiled model's graphs differ
-        between the two, so a backward diff records it apart). ``hold`` as for
+        same bits as without it for a model run eagerly). ``hold`` as for
         :func:`~blockdiff.capture.record_once`: aliases of the model's own tensors are
-        checked once the backward is over too.
+        checked once the backward is over too. A side that cannot (a compiled model, whose
+        graphs differ with autograd on; a side in lockstep across ranks, which records its
+        own way) only records: no gradients (``None``), recorded apart later.
 
         Raises:
             TensorChanged: a tensor recorded by reference was changed in place."""
+        model = self.module("")
+        if self.lockstep or compiled_forwards(model) or any(compile_context(m) is not None for m in model.modules()):
+            return self.record(inputs, store, hold=hold, progress=progress), None
         self.store = store
         snapshot = Snapshots(by_reference=hold, lockstep=self.lockstep)
         found = self.record_gradients(
@@ -573,18 +582,18 @@ class LiveSide(SideDefaults):
         modules under ``path`` (relative paths) whose ``forward`` is ``make(original)`` for
         this one run (undone when it ends)."""
         module = self.module(path)
-        kept = self.graphs.take(path, call, hidden) if self.graphs is not None and not replaced else None
-        leaves = kept[0] if kept else {role: t.detach().requires_grad_() for role, t in hidden.items() if t.is_floating_point()}
         params = [(name, p) for name, p in module.named_parameters() if p.is_floating_point()] if parameters else []
-        with Hooks() as hooks, _requiring_grad([p for _, p in params]), torch.inference_mode(False), torch.enable_grad():
-            if kept:  # the forward diff ran this very forward, autograd on: its graph
-                out = primary_tensor(kept[1])
-            else:
-                named = dict(module.named_modules())
-                for rel, make in (replaced or {}).items():
-                    hooks.replace_forward(named[rel], make)
-                args, kwargs = self._replay(call, leaves)
-                out = primary_tensor(self.runnable(path, module)(*args, **kwargs))
+
+        def replacing(hooks: Hooks, module: nn.Module) -> None:
+            named = dict(module.named_modules())
+            for rel, make in (replaced or {}).items():
+                hooks.replace_forward(named[rel], make)
+
+        # The forward diff's run of this very forward, autograd on, when it kept its graph.
+        kept = self.graphs.take(path, call, hidden) if self.graphs is not None and not replaced else None
+        graph = contextlib.nullcontext(kept) if kept else self._graph(path, call, hidden, [p for _, p in params], replacing)
+        with graph as (leaves, output), _requiring_grad([p for _, p in params]), torch.inference_mode(False), torch.enable_grad():
+            out = primary_tensor(output)
             if out is None or not out.requires_grad:
                 raise PairingError(f"{call.label}: the module returned no tensor that depends on its inputs or weights")
             seed = self._seed(path, call, out, grad)
@@ -593,6 +602,24 @@ class LiveSide(SideDefaults):
         found = [g.detach() if g is not None else torch.zeros_like(t) for g, t in zip(grads, wrt)]
         inputs = dict(zip(leaves, found[: len(leaves)]))
         return self._whole_gradients(call, inputs, {name: g for (name, _), g in zip(params, found[len(leaves):])})
+
+    @contextlib.contextmanager
+    def _graph(
+        self, path: str, call: Site, hidden: Hidden, params: list[torch.Tensor],
+        setup: Callable[[Hooks, nn.Module], None] | None = None,
+    ) -> Iterator[tuple[dict[str, torch.Tensor], Any]]:
+        """Module ``path`` run on ``call``, autograd on: its floating activations ``hidden``
+        as leaves, ``params`` requiring grad, ``setup(hooks, module)`` adding hooks or
+        replaced forwards first. Yields (the leaves, the output); the hooks stay for the
+        body (a backward recomputing checkpointed code runs them again) and are removed
+        when it ends, on every path."""
+        module = self.module(path)
+        leaves = {role: t.detach().requires_grad_() for role, t in hidden.items() if t.is_floating_point()}
+        with Hooks() as hooks, _requiring_grad(params), torch.inference_mode(False), torch.enable_grad():
+            if setup is not None:
+                setup(hooks, module)
+            args, kwargs = self._replay(call, leaves)
+            yield leaves, self.runnable(path, module)(*args, **kwargs)
 
     def _seed(self, path: str, call: Site, out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The gradient ``grad`` of module ``path``'s whole primary output, shaped, placed and
@@ -659,17 +686,16 @@ class LiveSide(SideDefaults):
 
             return hook
 
-        leaves = {role: t.detach().requires_grad_() for role, t in hidden.items() if t.is_floating_point()}
-        params = [p for p in module.parameters() if p.is_floating_point()]
-        with Hooks() as hooks, _requiring_grad(params), torch.inference_mode(False), torch.enable_grad():
+        def hooked(hooks: Hooks, module: nn.Module) -> None:
             for rel, child in children.items():
                 hooks.before(child, pre(rel))
                 hooks.after(child, post(rel))
-            args, kwargs = self._replay(call, leaves)
-            out = primary_tensor(self.runnable(path, module)(*args, **kwargs))
+
+        params = [p for p in module.parameters() if p.is_floating_point()]
+        with self._graph(path, call, hidden, params, hooked) as (leaves, output):
+            out = primary_tensor(output)
             if out is not None and out.requires_grad and out.numel() == grad.numel():
-                seed = replayed_copy(grad, out.device, out.dtype).reshape(out.shape)
-                torch.autograd.grad(out, [*leaves.values(), *params], seed, allow_unused=True)
+                torch.autograd.grad(out, [*leaves.values(), *params], self._seed(path, call, out, grad), allow_unused=True)
         return [(s, into.get(s.order), out_of.get(s.order)) for s in recorded.innermost()]
 
 
@@ -680,34 +706,23 @@ class Graphs:
     with autograd on; kept, it runs its backward alone. While :attr:`open` (the forward
     diff), :meth:`LiveSide.call_module` runs each module with autograd on (every floating
     parameter requiring grad, the activations leaves) — the same bits as without it, in
-    eager code — keeps its output's graph and hands the forward diff the output detached;
-    :meth:`take` hands each graph over once. Only for a side run eagerly in one process."""
+    eager code — and keeps its graph here; :meth:`take` hands each over once."""
 
     def __init__(self) -> None:
         self.open = True
         self._kept: dict[tuple, tuple[dict[str, torch.Tensor], Any]] = {}
 
     @staticmethod
-    def _key(path: str, call: Site, hidden: Hidden | None) -> tuple:
-        given = call.hidden_inputs() if hidden is None else hidden
-        return path, id(call), tuple(sorted((role, id(t)) for role, t in given.items()))
+    def _key(path: str, call: Site, hidden: Hidden) -> tuple:
+        return path, id(call), tuple(sorted((role, id(t)) for role, t in hidden.items()))
 
-    def forward(self, side: "LiveSide", path: str, call: Site, hidden: Hidden | None) -> Any:
-        """``side``'s module ``path`` on ``call`` (activations ``hidden``, else the call's
-        own), its graph kept; the output detached."""
-        given = call.hidden_inputs() if hidden is None else hidden
-        leaves = {role: t.detach().requires_grad_() for role, t in given.items() if t.is_floating_point()}
-        module = side.module(path)
-        params = [p for p in module.parameters() if p.is_floating_point()]
-        with _requiring_grad(params), torch.inference_mode(False), torch.enable_grad():
-            args, kwargs = side._replay(call, leaves)
-            out = side.runnable(path, module)(*args, **kwargs)
+    def keep(self, path: str, call: Site, hidden: Hidden, leaves: dict[str, torch.Tensor], out: Any) -> None:
+        """Module ``path``'s run on ``call`` with the activations ``hidden`` (the very
+        tensors): its activation leaves and its output, graph attached."""
         self._kept[self._key(path, call, hidden)] = (leaves, out)
-        return _detached(out)
 
     def take(self, path: str, call: Site, hidden: Hidden) -> tuple[dict[str, torch.Tensor], Any] | None:
-        """The kept (activation leaves, output) of module ``path`` on ``call`` with the
-        activations ``hidden`` (the very tensors), once; ``None`` when none was kept."""
+        """What :meth:`keep` kept of that run, once; ``None`` when nothing was."""
         return self._kept.pop(self._key(path, call, hidden), None)
 
 
