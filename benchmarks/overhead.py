@@ -192,6 +192,12 @@ def throughput(arrays: list[np.ndarray], folder: Path) -> dict[str, float]:
             for site in sites:
                 w.add(site)
 
+    def write_empty():
+        # What every dump costs whatever it holds: its thread, the file, its attributes,
+        # the index, the digest, the close and the rename.
+        with DumpWriter(dump, meta={"model": "bench"}):
+            pass
+
     def read_dump(verify: bool):
         with DumpReader(dump, verify=verify, probe=False) as r:
             for s in r.iter_sites():
@@ -211,6 +217,7 @@ def throughput(arrays: list[np.ndarray], folder: Path) -> dict[str, float]:
         "blockdiff dump": write_dump,
         "blockdiff dump, durable": lambda: write_dump(durable=True),
         "h5py direct chunks": write_chunks,
+        "blockdiff empty dump": write_empty,  # here: what tofile and the dump follow stays
         "os.write": write_syscall,
     }
     times: dict[str, list[float]] = {name: [] for name in writers}
@@ -233,6 +240,7 @@ def throughput(arrays: list[np.ndarray], folder: Path) -> dict[str, float]:
             if name in cpu:
                 cpu[name].append(time.process_time() - start_cpu)
     out = {name: total / statistics.median(t) for name, t in times.items()}
+    out["empty dump"] = statistics.median(times.pop("blockdiff empty dump"))
     out.update({f"cpu {name}": statistics.median(t) for name, t in cpu.items()})
     write_plain()
     out["read plain"] = total / timed(read_plain, 5)
@@ -284,6 +292,8 @@ def write_lines(rates: dict[str, float], arrays: list[np.ndarray]) -> str:
         f"   CPU time (all threads): tofile {rates['cpu tofile'] * 1e3:.1f} ms, dump {rates['cpu blockdiff dump'] * 1e3:.1f} ms "
         f"({rates['cpu blockdiff dump'] / rates['cpu tofile']:.2f}x, on {os.cpu_count()} cores: the dump's wall time cannot be "
         f"below {rates['cpu blockdiff dump'] / os.cpu_count() * 1e3:.1f} ms, tofile's is {total_bytes(arrays) / rates['tofile'] * 1e3:.1f})",
+        f"   an empty dump (its thread, the file, attributes, index, digest, close, rename): {rates['empty dump'] * 1e3:.1f} ms, "
+        f"{rates['empty dump'] * rates['tofile'] / total_bytes(arrays):.2f} of tofile's time for the {total_bytes(arrays) / 1e6:.0f} MB",
         f"   dump throughput, checksums on / off (goal >= 0.85): write {rates['checksums write on/off']:.3f}, "
         f"read verified / unverified {rates['checksums read on/off']:.3f} (median of 15 interleaved pairs)",
     ))
