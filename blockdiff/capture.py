@@ -380,6 +380,17 @@ class Recording:
     def changed(self) -> bool:
         return self._snapshots.changed()
 
+    @classmethod
+    def checked(cls, snapshots: Snapshots) -> "Recording":
+        """The record of a forward that just ended.
+
+        Raises:
+            TensorChanged: a tensor held by reference was changed in place after its hook."""
+        recording = cls(snapshots)
+        if recording.changed():
+            raise TensorChanged("a tensor recorded by reference was changed in place after its hook")
+        return recording
+
 
 def record_once(
     model: nn.Module,
@@ -415,10 +426,7 @@ def record_once(
     with capture(model, layout, store, snapshot=snapshot, progress=progress, lockstep=lockstep), torch.no_grad():
         output = run_model(model, inputs)
     del output  # nothing outside holds the model's output: it cannot change the record
-    recording = Recording(snapshot)
-    if recording.changed():
-        raise TensorChanged("a tensor recorded by reference was changed in place after its hook")
-    return recording
+    return Recording.checked(snapshot)
 
 
 def with_copies(attempt: Callable[[bool], T], *, lockstep: bool = False) -> T:

@@ -299,3 +299,22 @@ def test_an_moe_ffn_backward_is_judged_as_router_and_experts_apart(bug, router_w
     assert checks[EXPERTS].diverged is not router_wrong
     for block in (0, 2, 3):
         assert not report.backward.blocks[block].subpaths["ffn"].diverged
+
+
+def test_a_kept_graph_holds_its_activations_so_no_other_tensor_can_take_it():
+    # Graphs are found by the ids of the call and its activations: an activation made for
+    # the forward diff's experiment and dropped after would hand its id to a later tensor.
+    from blockdiff.sides.live import Graphs
+    from blockdiff.site import Site
+
+    graphs = Graphs()
+    call = Site("block", 0, "ffn", "m", 0, 0, output=torch.zeros(4))
+    made = torch.ones(4)
+    leaves, out = {"primary": made.detach().requires_grad_()}, torch.zeros(4)
+    graphs.keep("m", call, {"primary": made}, leaves, out)
+    kept_id = id(made)
+    del made
+    later = [torch.ones(4) for _ in range(2000)]
+    assert all(id(t) != kept_id for t in later)
+    assert all(graphs.take("m", call, {"primary": t}) is None for t in later)
+    assert graphs.take("m", call, {"primary": call.output}) is None

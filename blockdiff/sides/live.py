@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import distributed
 from ..capture import Recording, Snapshots, capture, record_once
-from ..errors import PairingError, TensorChanged
+from ..errors import PairingError
 from ..hooking import BufferCache, Hooks
 from ..hookmap import Layout
 from ..autodetect import configured_vocab_size
@@ -475,15 +475,12 @@ class LiveSide(SideDefaults):
         if self.lockstep or compiled_forwards(model) or any(compile_context(m) is not None for m in model.modules()):
             return self.record(inputs, store, hold=hold, progress=progress), None
         self.store = store
-        snapshot = Snapshots(by_reference=hold, lockstep=self.lockstep)
+        snapshot = Snapshots(by_reference=hold)
         found = self.record_gradients(
             inputs, loss, parameters=parameters,
-            recorded=lambda: capture(self.module(""), self.layout, store, snapshot=snapshot, progress=progress, lockstep=self.lockstep),
+            recorded=lambda: capture(model, self.layout, store, snapshot=snapshot, progress=progress),
         )
-        recording = Recording(snapshot)
-        if recording.changed():
-            raise TensorChanged("a tensor recorded by reference was changed in place after its hook")
-        return recording, found
+        return Recording.checked(snapshot), found
 
     def record_gradients(
         self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True,
@@ -718,12 +715,17 @@ class Graphs:
 
     def keep(self, path: str, call: Site, hidden: Hidden, leaves: dict[str, torch.Tensor], out: Any) -> None:
         """Module ``path``'s run on ``call`` with the activations ``hidden`` (the very
-        tensors): its activation leaves and its output, graph attached."""
-        self._kept[self._key(path, call, hidden)] = (leaves, out)
+        tensors): its activation leaves and its output, graph attached. The call and the
+        activations are held with it: while it is kept, no other object can have their
+        ids (an activation made for the experiment and dropped after would otherwise hand
+        its id, and this graph, to another tensor)."""
+        self._kept[self._key(path, call, hidden)] = (call, dict(hidden), leaves, out)
 
     def take(self, path: str, call: Site, hidden: Hidden) -> tuple[dict[str, torch.Tensor], Any] | None:
-        """What :meth:`keep` kept of that run, once; ``None`` when nothing was."""
-        return self._kept.pop(self._key(path, call, hidden), None)
+        """What :meth:`keep` kept of that run (its leaves and output), once; ``None`` when
+        nothing was."""
+        found = self._kept.pop(self._key(path, call, hidden), None)
+        return None if found is None else (found[2], found[3])
 
 
 class PrecisionSide(LiveSide):
@@ -886,14 +888,16 @@ class ReplicaSplit:
 
 
 def _detached(obj: Any) -> Any:
-    """``obj`` with each tensor detached, in tuples and lists too (named tuples kept); any
-    other object as it is."""
+    """``obj`` with each tensor detached, in tuples, lists and plain dicts too (named
+    tuples kept); any other object as it is."""
     if isinstance(obj, torch.Tensor):
         return obj.detach()
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_detached(v) for v in obj))
     if isinstance(obj, (tuple, list)):
         return type(obj)(_detached(v) for v in obj)
+    if type(obj) is dict:
+        return {k: _detached(v) for k, v in obj.items()}
     return obj
 
 
