@@ -34,6 +34,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -78,15 +79,16 @@ def cli(*args: str, report: bool = True) -> tuple[int, dict[str, Any] | None, st
     """``blockdiff`` in this process: exit code, the JSON report (a diff's), what it printed."""
     from blockdiff.cli import main
 
-    path = Path(tempfile.mkdtemp(prefix="blockdiff-cli-")) / "r.json"
     out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            main([*args, *(["--json", str(path), "-q"] if report else [])])
-        code = 0
-    except SystemExit as exited:
-        code = int(exited.code or 0)
-    report = json.loads(path.read_text()) if path.exists() else None
+    with tempfile.TemporaryDirectory(prefix="blockdiff-cli-") as folder:
+        path = Path(folder) / "r.json"
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                main([*args, *(["--json", str(path), "-q"] if report else [])])
+            code = 0
+        except SystemExit as exited:
+            code = int(exited.code or 0)
+        report = json.loads(path.read_text()) if path.exists() else None
     return code, report, out.getvalue()
 
 
@@ -318,6 +320,13 @@ def main() -> int:
     parser.add_argument("--only", help="run only the checks whose name starts with this (\"3\", \"1 cpu\")")
     args = parser.parse_args()
     ctx = Context(args.dry_run)
+    try:
+        return run_checks(ctx, args)
+    finally:
+        shutil.rmtree(ctx.scratch, ignore_errors=True)
+
+
+def run_checks(ctx: Context, args: argparse.Namespace) -> int:
     print(f"device: {torch.cuda.get_device_name(0) if ctx.cuda else 'cpu'}  torch {torch.__version__}"
           + ("  (dry run)" if args.dry_run else ""), flush=True)
     results = []

@@ -103,12 +103,14 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def interleaved(base, fn, repeat: int) -> dict[str, float | str]:
+def interleaved(base, fn, repeat: int, *, after=None) -> dict[str, float | str]:
     """``fn``'s cost over ``base``'s, each run of ``fn`` between two of ``base`` (the lower
     of the two counts), so that both see the same load: the median ratio, in wall time and
     in this process's CPU time (which other processes on the machine disturb less), with
-    the range of the pairs."""
+    the range of the pairs. ``after``: run after each pair, outside the timing."""
     base(), fn()
+    if after is not None:
+        after()
     ratios: dict[str, list[float]] = {"wall": [], "cpu": []}
     for _ in range(repeat):
         for clock, key in ((time.perf_counter, "wall"), (time.process_time, "cpu")):
@@ -117,11 +119,22 @@ def interleaved(base, fn, repeat: int) -> dict[str, float | str]:
             start = clock(); fn(); cost = clock() - start
             start = clock(); base(); second = clock() - start
             ratios[key].append(cost / min(first, second))
+            if after is not None:
+                after()
     out: dict[str, float | str] = {}
     for key, values in ratios.items():
         out[key] = statistics.median(values)
         out[f"{key} range"] = f"{min(values):.2f}-{max(values):.2f}"
     return out
+
+
+def written_back() -> None:
+    """Wait until what this process (or any before it) wrote is on the disk: a figure that
+    writes starts without earlier dumps being written back beneath it. On the test
+    machine's disk a backlog of 1.2-1.4 GB made figure 2 2.41 instead of 1.26-1.27
+    (docs/performance.md)."""
+    if hasattr(os, "sync"):
+        os.sync()
 
 
 def forward(model, ids):
@@ -223,6 +236,8 @@ def throughput(arrays: list[np.ndarray], folder: Path) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in writers}
     # CPU time of the whole process (every thread), for the writers figure 3 compares.
     cpu: dict[str, list[float]] = {"tofile": [], "blockdiff dump": []}
+
+    written_back()
 
     def fresh() -> None:
         # Every write makes a new file: deleting the last one (freeing its blocks, ~35 ms
@@ -502,10 +517,14 @@ EMULATE = [False]  # --emulate-avx2
 
 
 def streamed_capture(model, ids, folder: Path, repeat: int) -> dict[str, float | str]:
-    """Figure 2: each capture between two plain forwards (see :func:`interleaved`). A new
-    file each run: replacing the previous run's dump would time its deletion too."""
-    runs = iter(range(10**6))
-    return interleaved(lambda: forward(model, ids), lambda: capture(model, ids, folder / f"c{next(runs)}.h5"), repeat)
+    """Figure 2: each capture between two plain forwards (see :func:`interleaved`), into a
+    new file (replacing one would time its deletion too), removed after the pair: dumps
+    left to be written back to the disk slowed the next ones' writes (:func:`written_back`)."""
+    path = folder / "capture.h5"
+    written_back()
+    return interleaved(
+        lambda: forward(model, ids), lambda: capture(model, ids, path), repeat, after=lambda: path.unlink()
+    )
 
 
 def streamed_line(streamed: dict) -> str:
