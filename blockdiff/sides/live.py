@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -696,6 +696,16 @@ class LiveSide(SideDefaults):
         return [(s, into.get(s.order), out_of.get(s.order)) for s in recorded.innermost()]
 
 
+class _Kept(NamedTuple):
+    """One graph :class:`Graphs` keeps: the call and activations it was run on (held, so
+    that their ids stay theirs), its activation leaves and its output."""
+
+    call: Site
+    hidden: Hidden
+    leaves: dict[str, torch.Tensor]
+    out: Any
+
+
 class Graphs:
     """The graphs of a side's module experiments in a forward diff, kept for the backward
     diff that follows (:mod:`blockdiff.backward`): the backward's experiment on a module is
@@ -707,7 +717,7 @@ class Graphs:
 
     def __init__(self) -> None:
         self.open = True
-        self._kept: dict[tuple, tuple[dict[str, torch.Tensor], Any]] = {}
+        self._kept: dict[tuple, _Kept] = {}
 
     @staticmethod
     def _key(path: str, call: Site, hidden: Hidden) -> tuple:
@@ -719,13 +729,13 @@ class Graphs:
         activations are held with it: while it is kept, no other object can have their
         ids (an activation made for the experiment and dropped after would otherwise hand
         its id, and this graph, to another tensor)."""
-        self._kept[self._key(path, call, hidden)] = (call, dict(hidden), leaves, out)
+        self._kept[self._key(path, call, hidden)] = _Kept(call, dict(hidden), leaves, out)
 
     def take(self, path: str, call: Site, hidden: Hidden) -> tuple[dict[str, torch.Tensor], Any] | None:
         """What :meth:`keep` kept of that run (its leaves and output), once; ``None`` when
         nothing was."""
         found = self._kept.pop(self._key(path, call, hidden), None)
-        return None if found is None else (found[2], found[3])
+        return None if found is None else (found.leaves, found.out)
 
 
 class PrecisionSide(LiveSide):
