@@ -1066,3 +1066,139 @@ def test_a_forgotten_block_holds_nothing_and_reads_again(tmp_path):
         assert [(s.module, s.args[0].tolist()) for s in again] == [(s.module, s.args[0].tolist()) for s in before[0]]
         assert all(record is not None for record in reader._index["sites"])
         assert len(reader) == sum(len(v) for v in before.values()) + len(reader.outside_sites())
+
+
+# --------------------------------------------------------------------------- written without libhdf5
+
+
+def _libhdf5_wrote(monkeypatch) -> None:
+    """Make PackedFile write through libhdf5, as it does for an attribute too large for an
+    object header message."""
+    import blockdiff.dump.packing as packing
+    import blockdiff.dump.writer as writer
+
+    for module in (packing, writer):
+        monkeypatch.setattr(module, "written_raw", lambda compress, attributes: False)
+
+
+def _contents(path: Path) -> tuple:
+    """Everything a reader sees of a dump through plain h5py: the attributes but the
+    creation time and digest, every dataset's path, dtype, shape, bytes and attributes."""
+    with h5py.File(path, "r") as f:
+        attrs = {k: v for k, v in f.attrs.items() if k not in ("created", "metadata_digest")}
+        datasets = {}
+        f.visititems(
+            lambda name, obj: datasets.__setitem__(name, (obj.dtype.str, obj.shape, obj[()].tobytes(), dict(obj.attrs)))
+            if isinstance(obj, h5py.Dataset) else None
+        )
+        groups = sorted(name for name, obj in f.items() if isinstance(obj, h5py.Group))
+    return attrs, datasets, groups
+
+
+def test_an_uncompressed_dump_is_written_without_libhdf5_and_reads_as_libhdf5s(tmp_path, monkeypatch):
+    # Every structure of the file (superblock, object headers, messages, checksums) is
+    # written by blockdiff.dump.hdf5; libhdf5 reads it exactly as the file it writes itself.
+    import blockdiff.dump.packing as packing
+
+    tensors = list(_tensors().values())
+    sites = [_site(block=i, module=f"m{i}", output=t, args=(t,)) for i, t in enumerate(tensors)]
+    meta = {**META, "flag": True, "empty": "", "naïve": "ünïcode"}
+    with monkeypatch.context() as m:
+        m.setattr(packing.h5py, "File", None)  # any libhdf5 file would fail the write
+        own = _write(tmp_path / "own.h5", sites, inputs=torch.arange(6), meta=meta)
+    with monkeypatch.context() as m:
+        _libhdf5_wrote(m)
+        theirs = _write(tmp_path / "theirs.h5", sites, inputs=torch.arange(6), meta=meta)
+    assert own.read_bytes()[8] == 3 and theirs.read_bytes()[8] == 3  # superblock version 3 (HDF5 1.10)
+    assert _contents(own) == _contents(theirs)
+    with DumpReader(own) as a, DumpReader(theirs) as b:  # the metadata digest is checked on open
+        assert a.meta["naïve"] == "ünïcode" and a.meta["flag"] is True and a.meta["empty"] == ""
+        assert a.verify_all() == b.verify_all()
+        assert [s.key for s in a.sites()] == [s.key for s in b.sites()]
+        for i, want in enumerate(tensors):
+            _assert_same_tensor(a.block_sites(i)[0].output, want)
+    with h5py.File(own, "r") as f:
+        assert sorted(f["tensors"]) == ["bool.0", "float16.0", "float32.0", "int64.0", "uint16.0", "uint8.0"]
+    # libhdf5 can go on from it: the file opened for writing takes new attributes and links.
+    with h5py.File(own, "r+") as f:
+        for i in range(20):
+            f.attrs[f"added{i}"] = i
+            f["tensors"][f"added{i}"] = np.arange(i)
+    with h5py.File(own, "r") as f:
+        assert f.attrs["added19"] == 19 and f["tensors/added19"][()].tolist() == list(range(19))
+        assert f.attrs["format"] == b"blockdiff.dump"
+
+
+def test_lookup3_is_jenkins_hashlittle_in_c_and_in_python():
+    from blockdiff.dump import hdf5
+
+    # The published test vectors of lookup3.c's driver.
+    assert hdf5._lookup3_python(b"") == 0xDEADBEEF
+    assert hdf5._lookup3_python(b"Four score and seven years ago") == 0x17770551
+    assert hdf5._lookup3_python(b"Four score and seven years ago", 1) == 0xCD628161
+    data = bytes(range(256)) * 9
+    assert hdf5._lookup3() is not hdf5._lookup3_python  # libhdf5's, found through h5py's
+    assert all(hdf5.lookup3(data[:n]) == hdf5._lookup3_python(data[:n]) for n in range(0, 60))
+    assert hdf5.lookup3(data) == hdf5._lookup3_python(data)
+
+
+@pytest.mark.parametrize("when", ["at the start", "before close"])
+def test_an_attribute_too_large_for_a_message_is_written_by_libhdf5(tmp_path, monkeypatch, when):
+    # A meta entry of over 64 KiB cannot be an attribute message of an object header:
+    # libhdf5 writes the file (from the start; or, for one that grew before close, again
+    # from the bytes written so far, the first file removed).
+    import blockdiff.dump.packing as packing
+
+    big = {"layers": list(range(20000))}  # ~110 KB of JSON
+    again, real = [], packing.PackedFile._through_libhdf5
+    monkeypatch.setattr(packing.PackedFile, "_through_libhdf5", lambda self: (again.append(self.path), real(self)))
+    sites, tensors = _writer_sites()
+    path = tmp_path / "d.h5"
+    with DumpWriter(path, meta={**META, **(big if when == "at the start" else {})}) as writer:
+        for site in sites:
+            writer.add(site)
+        writer.meta.update(big)
+    assert again == ([] if when == "at the start" else [path])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.h5"]
+    _check_round_trip(path, tensors)
+    with DumpReader(path) as dump:
+        assert dump.meta["layers"] == big["layers"]
+    with h5py.File(path, "r") as f:  # 1 MiB, then 8 MiB: two batches of float32
+        assert sorted(f["tensors"]) == ["float32.0", "float32.1"]
+    from blockdiff.dump import hdf5
+
+    for name, value in (("k" * 70000, "v"), ("k", "v" * 65480), ("k", "v" * 65400)):  # name and value count
+        if len(name) + len(value) > 65471:
+            with pytest.raises(hdf5.TooLarge):
+                hdf5.attribute(name, value)
+        else:
+            assert len(hdf5.attribute(name, value)[0]) < 2**16
+
+
+def test_writer_threads_are_kept_between_dumps_and_not_across_fork(tmp_path):
+    import multiprocessing
+
+    from blockdiff.dump import writer as writer_module
+
+    sites, tensors = _writer_sites()
+    _write(tmp_path / "a.h5", sites)
+    names = []
+
+    class Recording(DumpWriter):
+        def _write_tensors(self, groups, nbytes):
+            names.append(__import__("threading").current_thread().ident)
+            return super()._write_tensors(groups, nbytes)
+
+    for name in ("b.h5", "c.h5"):
+        with Recording(tmp_path / name, meta=META) as w:
+            for site in sites:
+                w.add(site)
+    assert len(names) == 4 and len(set(names)) == 1  # the same thread wrote both
+    assert any(pid == os.getpid() for pid, _ in writer_module._IDLE)
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return
+    child = multiprocessing.get_context("fork").Process(target=_write, args=(tmp_path / "child.h5", sites))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0  # the parent's kept thread is not in the child: it made its own
+    _check_round_trip(tmp_path / "child.h5", tensors)

@@ -147,27 +147,16 @@ def _string_type(size: int) -> h5py.h5t.TypeID:
     return tid
 
 
-def set_attr(obj: h5py.HLObject | h5py.h5d.DatasetID, name: str, value: Any) -> Any:
-    """Write one scalar attribute; strings as fixed-length UTF-8.
-
-    Variable-length strings live in HDF5's global heap, which has no checksum: a flipped
-    byte there can hang libhdf5 on read. Fixed-length strings sit inside the (checksummed)
-    object header. h5py reads them back as ``bytes``.
-
-    Returns:
-        the value as a reader gets it back (``bytes`` for a string, a numpy scalar for a
-        number), which is what the metadata digest covers.
-    """
-    key = name.encode("utf-8")
-    oid = obj if isinstance(obj, h5py.h5d.DatasetID) else obj.id
+def scalar(name: str, value: Any) -> tuple[np.dtype | None, bytes, Any]:
+    """How one scalar attribute is stored: its numpy dtype (``None`` for a string: a
+    fixed-length UTF-8 string of as many bytes as its data), its bytes, and the value as
+    a reader gets it back (``bytes`` for a string, a numpy scalar for a number), which
+    is what the metadata digest covers."""
     if isinstance(value, str):
         data = value.encode("utf-8")
         if b"\0" in data:
             raise ValueError(f"attribute {name!r}: strings in a dump cannot contain NUL characters")
-        size = max(len(data), 1)
-        tid = _string_type(size)
-        h5py.h5a.create(oid, key, tid, _SCALAR).write(np.array(data, dtype=f"S{size}"), mtype=tid)
-        return data
+        return None, data or b"\0", data
     if isinstance(value, (bool, np.bool_)):
         arr = np.array(value, dtype=np.bool_)
     elif isinstance(value, (int, np.integer)):
@@ -176,8 +165,30 @@ def set_attr(obj: h5py.HLObject | h5py.h5d.DatasetID, name: str, value: Any) -> 
         arr = np.array(value, dtype=np.float64)
     else:
         raise TypeError(f"attribute {name!r}: cannot store a {type(value).__name__}")
-    h5py.h5a.create(oid, key, h5py.h5t.py_create(arr.dtype), _SCALAR).write(arr)
-    return arr[()]
+    return arr.dtype, arr.astype(arr.dtype.newbyteorder("<")).tobytes(), arr[()]
+
+
+def set_attr(obj: h5py.HLObject | h5py.h5d.DatasetID, name: str, value: Any) -> Any:
+    """Write one scalar attribute through libhdf5; strings as fixed-length UTF-8
+    (:func:`scalar`).
+
+    Variable-length strings live in HDF5's global heap, which has no checksum: a flipped
+    byte there can hang libhdf5 on read. Fixed-length strings sit inside the (checksummed)
+    object header. h5py reads them back as ``bytes``.
+
+    Returns:
+        the value as a reader gets it back, which is what the metadata digest covers.
+    """
+    key = name.encode("utf-8")
+    oid = obj if isinstance(obj, h5py.h5d.DatasetID) else obj.id
+    dtype, data, back = scalar(name, value)
+    if dtype is None:
+        tid = _string_type(len(data))
+        h5py.h5a.create(oid, key, tid, _SCALAR).write(np.array(data, dtype=f"S{len(data)}"), mtype=tid)
+    else:
+        arr = np.array(back, dtype=dtype)
+        h5py.h5a.create(oid, key, h5py.h5t.py_create(arr.dtype), _SCALAR).write(arr)
+    return back
 
 
 _ATTR_CLASSES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.STRING, h5py.h5t.ENUM)

@@ -26,7 +26,8 @@ import h5py
 import numpy as np
 
 from ..errors import DumpError
-from .format import FORMAT, FORWARD_SCHEMA, LIBVER, Link, crc32c, digest, set_attr, stored_name, tensor_crc32c
+from . import hdf5
+from .format import FORMAT, FORWARD_SCHEMA, LIBVER, Link, crc32c, digest, scalar, set_attr, stored_name, tensor_crc32c
 
 # How each ``compress`` option is stored: the filters of every chunk.
 COMPRESSIONS: dict[str | None, dict[str, Any]] = {
@@ -39,7 +40,7 @@ COMPRESSIONS: dict[str | None, dict[str, Any]] = {
 # one chunk is one chunk of its size.
 PACKED_CHUNK_BYTES = 1 << 20
 # Datasets of this many bytes or more start at a multiple of this many bytes in the file.
-_ALIGN_ABOVE, _ALIGN = 64 * 2**10, 4096
+_ALIGN_ABOVE, _ALIGN = hdf5.ALIGN_ABOVE, hdf5.ALIGN
 # A durable dump starts writing dirty pages back to disk every this many bytes, so the
 # fsync at close waits for the tail only (Linux; elsewhere the fsync does it all).
 _WRITEBACK_BYTES = 8 * 2**20
@@ -121,8 +122,13 @@ class PackedFile:
     :meth:`write` writes a dataset's tensors of the batch, :meth:`finish` writes the index
     and renames the file to ``path``, :meth:`abort` removes it. It records what the
     metadata digest covers as it writes it (never reading it back). Not thread-safe:
-    :class:`~.writer.DumpWriter` places on the caller's thread and makes every libhdf5
-    call on its own, one after the other.
+    :class:`~.writer.DumpWriter` places on the caller's thread and writes on its own, one
+    call after the other.
+
+    An uncompressed dump is written without libhdf5 (:class:`~.hdf5.RawFile`: the bytes as
+    they come, the HDF5 structures at the end), unless an attribute is too large for an
+    object header message (64 KiB; then libhdf5 writes it, as it writes a compressed dump,
+    or where the platform has no ``pwrite``). The files read the same.
 
     Args:
         path: where the finished dump goes.
@@ -165,24 +171,35 @@ class PackedFile:
         self._chunked: dict[str, _Chunked] = {}
         self._unsynced = 0
         self._renamed = False
+        attributes = file_attributes(torch_version, schema)
+        # Written without libhdf5: the file attributes, kept until the end.
+        self._raw: hdf5.RawFile | None = None
+        self._raw_attrs: dict[str, Any] = {}
+        self._file: h5py.File | None = None
         try:
-            # Tensor data starts on a page boundary (whole pages of the page cache).
-            self._file: h5py.File | None = h5py.File(
-                self.tmp_path, "w", libver=LIBVER, alignment_threshold=_ALIGN_ABOVE, alignment_interval=_ALIGN
-            )
+            if written_raw(compress, [*attributes.items(), *((k, v) for k, v, _ in meta)]):
+                self._raw = hdf5.RawFile(self.tmp_path)
+            else:
+                # Tensor data starts on a page boundary (whole pages of the page cache).
+                self._file = h5py.File(
+                    self.tmp_path, "w", libver=LIBVER, alignment_threshold=_ALIGN_ABOVE, alignment_interval=_ALIGN
+                )
         except Exception as exc:
             problem = folder_problem(self.path.parent) or one_line(exc)
             raise DumpError(f"{self.path}: cannot create the dump: {problem}", path=str(self.path)) from exc
         try:
-            f = self._file
-            for key, value in file_attributes(torch_version, schema).items():
-                self._root[key] = set_attr(f, key, value)
+            for key, value in attributes.items():
+                self._set_root(key, value)
             self.write_meta(meta)
-            self._group = f.create_group("tensors")
             self._links["tensors"] = Link("group", {})
-            handle = f.id.get_vfd_handle()
-            fd = handle if isinstance(handle, int) else None  # libhdf5's, on POSIX
-            self._contiguous = None if self._compression else _Contiguous(self._group, fd)
+            if self._raw is not None:
+                fd: int | None = self._raw.fd
+                self._contiguous = None
+            else:
+                self._group = self._file.create_group("tensors")
+                handle = self._file.id.get_vfd_handle()
+                fd = handle if isinstance(handle, int) else None  # libhdf5's, on POSIX
+                self._contiguous = None if self._compression else _Contiguous(self._group, fd)
             self._writeback_fd = fd if durable and _SYNC_FILE_RANGE is not None else None
         except BaseException:
             self.abort()
@@ -194,19 +211,33 @@ class PackedFile:
         closes), unless they are the same."""
         if meta == self._meta_written:
             return
-        f = self._open()
+        self._check_open()
         for key in [*self._meta_keys, "json_attributes"]:
-            if key in f.attrs:
-                del f.attrs[key]
-                del self._root[key]
+            if key in self._root:
+                self._delete_root(key)
         json_keys = []
         for key, stored, is_json in meta:
-            self._root[key] = set_attr(f, key, stored)
+            self._set_root(key, stored)
             if is_json:
                 json_keys.append(key)
-        self._root["json_attributes"] = set_attr(f, "json_attributes", json.dumps(json_keys))
+        self._set_root("json_attributes", json.dumps(json_keys))
         self._meta_keys = [key for key, _, _ in meta]
         self._meta_written = meta
+
+    def _set_root(self, key: str, value: Any) -> None:
+        """A file attribute: written now through libhdf5, or at the end without it."""
+        if self._raw is not None:
+            self._raw_attrs[key] = value
+            self._root[key] = scalar(key, value)[2]
+        else:
+            self._root[key] = set_attr(self._file, key, value)
+
+    def _delete_root(self, key: str) -> None:
+        if self._raw is not None:
+            del self._raw_attrs[key]
+        else:
+            del self._file.attrs[key]
+        del self._root[key]
 
     def place(self, batch: Sequence[T]) -> list[tuple[str, list[T]]]:
         """Where each tensor of a batch goes (its entry's ``data`` and ``offset``):
@@ -230,19 +261,22 @@ class PackedFile:
 
     def write(self, name: str, tensors: Sequence[StoredTensor]) -> None:
         """The tensors :meth:`place` put in dataset ``name`` in one batch."""
-        self._open()
-        if self._contiguous is not None:
-            self._links[f"tensors/{name}"] = self._contiguous.write(name, tensors[0].flat.dtype, [t.flat for t in tensors])
+        self._check_open()
+        dtype, arrays = tensors[0].flat.dtype, [t.flat for t in tensors]
+        if self._raw is not None:
+            count = sum(a.size for a in arrays)
+            _write_at(self._raw.fd, self._raw.place(name, dtype, count), arrays)
+            self._links[f"tensors/{name}"] = Link("dataset", {}, np.dtype(dtype).str, (count,))
+        elif self._contiguous is not None:
+            self._links[f"tensors/{name}"] = self._contiguous.write(name, dtype, arrays)
         else:
             chunked = self._chunked.get(name)
             if chunked is None:
-                chunked = self._chunked[name] = _Chunked(
-                    self._group, name, tensors[0].flat.dtype, self._compression, self.checksums
-                )
-            for t in tensors:
-                chunked.append(t.flat)
+                chunked = self._chunked[name] = _Chunked(self._group, name, dtype, self._compression, self.checksums)
+            for flat in arrays:
+                chunked.append(flat)
         if self._writeback_fd is not None:
-            self._unsynced += sum(t.flat.nbytes for t in tensors)
+            self._unsynced += sum(a.nbytes for a in arrays)
             if self._unsynced >= _WRITEBACK_BYTES:
                 # Dirty pages start going to disk now, while the writer goes on.
                 self._unsynced = 0
@@ -255,14 +289,23 @@ class PackedFile:
         flushed to disk before the rename and the folder after it when ``durable``. A
         failure removes the temporary file, and raises."""
         try:
-            f = self._open()
-            for name, chunked in self._chunked.items():
-                self._links[f"tensors/{name}"] = chunked.finish()
-            self._write_index(f, index)
-            set_attr(f, "metadata_digest", digest(self._root, self._links))
-            set_attr(f, "complete", True)
-            f.close()
-            self._file = None
+            self._check_open()
+            if self._raw is not None:
+                try:
+                    messages = [hdf5.attribute(key, value)[0] for key, value in self._raw_attrs.items()]
+                except hdf5.TooLarge:  # ``meta`` grew too large since the file was made
+                    self._through_libhdf5()
+            if self._raw is not None:
+                self._finish_raw(index, messages)
+            else:
+                f = self._file
+                for name, chunked in self._chunked.items():
+                    self._links[f"tensors/{name}"] = chunked.finish()
+                self._write_index(f, index)
+                set_attr(f, "metadata_digest", digest(self._root, self._links))
+                set_attr(f, "complete", True)
+                f.close()
+                self._file = None
             if self.durable:
                 _fsync(self.tmp_path)
             os.replace(self.tmp_path, self.path)
@@ -273,9 +316,50 @@ class PackedFile:
         if self.durable:
             _fsync(self.path.parent)
 
+    def _finish_raw(self, index: bytes, messages: list[bytes]) -> None:
+        """:meth:`finish`'s structures, written without libhdf5 (``messages``: the file
+        attributes' so far)."""
+        size = max(len(index), 1)
+        index_attrs, attrs = [], {}
+        if self.checksums:
+            message, attrs["crc32c"] = hdf5.attribute("crc32c", format(crc32c(index), "08x"))
+            index_attrs.append(message)
+        self._links["index"] = Link("dataset", attrs, np.dtype(f"S{size}").str, ())
+        messages += [hdf5.attribute("metadata_digest", digest(self._root, self._links))[0], hdf5.attribute("complete", True)[0]]
+        raw, self._raw = self._raw, None
+        try:
+            raw.finish(messages, index, index_attrs)
+        finally:
+            raw.close()
+
+    def _through_libhdf5(self) -> None:
+        """The dump written so far, written again by libhdf5: an attribute too large for
+        an object header message (64 KiB) came after the file was made. The bytes written
+        are copied from the first file, which is then removed."""
+        raw, self._raw = self._raw, None
+        raw.close()
+        staged = self.tmp_path.with_name(self.tmp_path.name + "-data")
+        os.replace(self.tmp_path, staged)
+        try:
+            self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, alignment_threshold=_ALIGN_ABOVE, alignment_interval=_ALIGN)
+            for key, value in self._raw_attrs.items():
+                set_attr(self._file, key, value)
+            self._group = self._file.create_group("tensors")
+            handle = self._file.id.get_vfd_handle()
+            contiguous = _Contiguous(self._group, handle if isinstance(handle, int) else None)
+            for name, dtype, count, offset in raw.datasets:
+                data = np.memmap(staged, dtype=dtype, mode="r", offset=offset, shape=(count,)) if count else np.empty(0, dtype)
+                contiguous.write(name, dtype, [data])
+                del data
+        finally:
+            os.remove(staged)
+
     def abort(self) -> None:
         """Discard the dump: the file closed and removed; nothing at ``path``."""
         f, self._file = self._file, None
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            raw.close()
         if f is not None:
             try:
                 f.close()
@@ -287,10 +371,9 @@ class PackedFile:
             except FileNotFoundError:
                 pass
 
-    def _open(self) -> h5py.File:
-        if self._file is None:
+    def _check_open(self) -> None:
+        if self._file is None and self._raw is None:
             raise DumpError(f"{self.path}: the dump was closed", path=str(self.path))
-        return self._file
 
     def _write_index(self, f: h5py.File, data: bytes) -> None:
         """``/index``: one fixed-length UTF-8 string of JSON (inside the file's checksummed
@@ -308,6 +391,20 @@ class PackedFile:
         if self.checksums:
             attrs["crc32c"] = set_attr(dset, "crc32c", format(crc32c(data), "08x"))
         self._links["index"] = Link("dataset", attrs, np.dtype(f"S{size}").str, ())
+
+
+def written_raw(compress: str | None, attributes: Any) -> bool:
+    """Whether a dump with these file attributes ``(name, value)`` (the meta entries as
+    stored, at least) is written without libhdf5 (:class:`~.hdf5.RawFile`): uncompressed,
+    where the platform has ``pwrite``, every attribute fitting in an object header message."""
+    if COMPRESSIONS[compress] or not hasattr(os, "pwrite"):
+        return False
+    try:
+        for key, value in attributes:
+            hdf5.attribute(key, value)
+    except hdf5.TooLarge:
+        return False
+    return True
 
 
 def temporary_path(path: Path) -> Path:
@@ -447,14 +544,13 @@ class _Chunked:
 
 
 class _Contiguous:
-    """An uncompressed dump's datasets, ``tensors/<dtype>.<n>``: one per stored dtype for
-    each batch, as long as the batch's tensors of that dtype.
+    """An uncompressed dump's datasets, ``tensors/<dtype>.<n>``, where libhdf5 writes the
+    file (an attribute too large for :class:`~.hdf5.RawFile`, or no ``pwrite``): one per
+    stored dtype for each batch, as long as the batch's tensors of that dtype.
 
     libhdf5 allocates each dataset's space at once (contiguous, never filled, starting on
     a page) and keeps the file's structure; the writer writes the tensors' bytes there
-    itself (``pwritev`` on libhdf5's own file descriptor, after ``os.posix_fallocate``),
-    so that what a dump costs is the bytes: chunks written through libhdf5 reached
-    0.71-0.80 of ``numpy.tofile`` (``benchmarks/overhead.py``, figure 3). Where the
+    itself (``pwritev`` on libhdf5's own file descriptor, :func:`_write_at`). Where the
     platform has no ``pwrite`` or libhdf5's file driver gives no descriptor, libhdf5
     writes them."""
 
@@ -475,11 +571,7 @@ class _Contiguous:
         dset = h5py.h5d.create(self.group.id, name.encode(), h5py.h5t.py_create(dtype, logical=1), space, dcpl=self.dcpl)
         offset = dset.get_offset() if count else None
         if offset is not None and self.fd is not None:
-            views = [memoryview(a).cast("B") for a in arrays if a.size]
-            nbytes = sum(len(v) for v in views)
-            if nbytes >= _ALLOCATE_BYTES:
-                _allocate(self.fd, offset, nbytes)
-            _pwrite_all(self.fd, views, offset)
+            _write_at(self.fd, offset, arrays)
         elif count:
             start = 0
             for a in arrays:
@@ -495,15 +587,25 @@ class _Contiguous:
 _ALLOCATE_BYTES = 1 << 20
 
 
+def _write_at(fd: int, offset: int, arrays: list[np.ndarray]) -> None:
+    """``arrays``' bytes one after the other at ``offset`` of the file (allocated first
+    when they are 1 MiB or more, :func:`_allocate`)."""
+    views = [memoryview(a).cast("B") for a in arrays if a.size]
+    nbytes = sum(len(v) for v in views)
+    if nbytes >= _ALLOCATE_BYTES:
+        _allocate(fd, offset, nbytes)
+    _pwrite_all(fd, views, offset)
+
+
 def _allocate(fd: int, offset: int, nbytes: int) -> None:
     """The disk blocks of a dataset's bytes, allocated at once (``os.posix_fallocate``, as
     ``numpy.tofile`` does for arrays of 16 MiB or more): writing into them skips the
     filesystem's delayed allocation page by page (ext4 here: figure 3 of
     ``benchmarks/overhead.py`` 0.70-0.71 against 0.60-0.64 without).
 
-    libhdf5 has allocated the range in the file (its end of allocated space is past it), and
-    every byte of it is written next, so the file's size, should the call extend it, is
-    what it would be anyway. Where the platform has no ``posix_fallocate`` (macOS) or the
+    The range is a dataset's (placed by :class:`~.hdf5.RawFile`, or allocated by libhdf5),
+    and every byte of it is written next, so the file's size, should the call extend it,
+    is what it would be anyway. Where the platform has no ``posix_fallocate`` (macOS) or the
     filesystem refuses, nothing is allocated and the writes allocate the blocks as they go;
     where the filesystem cannot allocate without writing, glibc writes one byte per block
     instead.

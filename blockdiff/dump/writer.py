@@ -38,6 +38,7 @@ from .packing import (
     one_line,
     site_record,
     temporary_path,
+    written_raw,
 )
 
 if TYPE_CHECKING:
@@ -168,6 +169,36 @@ class _Encoder:
 # ---------------------------------------------------------------------------------------
 # writer
 
+# Writer threads kept between dumps (starting one, and joining it, cost a dump 0.2-0.5 ms):
+# (process id, a one-thread executor with nothing left to do). A forked child does not
+# have its parent's threads: it starts its own.
+_IDLE: list[tuple[int, ThreadPoolExecutor]] = []
+_IDLE_LOCK = threading.Lock()
+_KEEP_THREADS = 2
+
+
+def _take_thread() -> ThreadPoolExecutor:
+    """A writer thread: a kept one, or a new one."""
+    with _IDLE_LOCK:
+        while _IDLE:
+            pid, worker = _IDLE.pop()
+            if pid == os.getpid():
+                return worker
+    return ThreadPoolExecutor(1, thread_name_prefix="blockdiff-dump")
+
+
+def _give_back(worker: ThreadPoolExecutor, *, idle: bool = False) -> None:
+    """Wait until everything handed to ``worker`` is done (``idle``: it is), then keep it
+    for the next dump (up to :data:`_KEEP_THREADS`), or stop it."""
+    if not idle:
+        worker.submit(int).result()  # one thread: every task before this one has ended
+    with _IDLE_LOCK:
+        if len(_IDLE) < _KEEP_THREADS:
+            _IDLE.append((os.getpid(), worker))
+            return
+    worker.shutdown(wait=True)
+
+
 # Bytes of tensors handed to the writer's thread and not yet written; ``add`` waits above it
 # (a single larger tensor is always accepted).
 _IN_FLIGHT_BYTES = 64 * 2**20
@@ -263,11 +294,14 @@ class DumpWriter:
         problem = folder_problem(self.path.parent)
         if problem is not None:
             raise DumpError(f"{self.path}: cannot create the dump: {problem}", path=str(self.path))
-        self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="blockdiff-dump")
-        # The file is created on the writer's thread, the caller waiting (outside the GIL:
-        # with both running Python, the thread would wait for it, up to the interpreter's
-        # switch interval of 5 ms at a time).
-        self._worker.submit(self._create, encoded_meta).result()
+        self._worker: ThreadPoolExecutor | None = _take_thread()
+        if written_raw(compress, ((key, value) for key, value, _ in encoded_meta)):
+            self._create(encoded_meta)  # no libhdf5 in it: here, without waiting for the thread
+        else:
+            # libhdf5 creates the file on the writer's thread, the caller waiting (outside
+            # the GIL: with both running Python, the thread would wait for it, up to the
+            # interpreter's switch interval of 5 ms at a time).
+            self._worker.submit(self._create, encoded_meta).result()
         if self._failed is not None:
             self._stop_worker()
             self._raise_failure()
@@ -278,10 +312,11 @@ class DumpWriter:
             return fn(*args)
         return self._worker.submit(fn, *args).result()
 
-    def _stop_worker(self) -> None:
+    def _stop_worker(self, *, idle: bool = False) -> None:
+        """Done with the writer's thread (``idle``: its last task has ended)."""
         worker, self._worker = self._worker, None
         if worker is not None:
-            worker.shutdown(wait=True)
+            _give_back(worker, idle=idle)
 
     def _create(self, encoded_meta: list[tuple[str, Any, bool]]) -> None:
         try:
@@ -467,7 +502,7 @@ class DumpWriter:
             try:
                 done.result()
             finally:
-                self._stop_worker()
+                self._stop_worker(idle=done.done())  # the last task handed to it
 
     def _close(self) -> None:
         if self._file is None:  # closed before, or never created
