@@ -165,7 +165,8 @@ def scalar(name: str, value: Any) -> tuple[np.dtype | None, bytes, Any]:
         arr = np.array(value, dtype=np.float64)
     else:
         raise TypeError(f"attribute {name!r}: cannot store a {type(value).__name__}")
-    return arr.dtype, arr.astype(arr.dtype.newbyteorder("<")).tobytes(), arr[()]
+    stored = arr.dtype.newbyteorder("<")  # little-endian on every machine, its type saying so
+    return stored, arr.astype(stored).tobytes(), arr[()]
 
 
 def set_attr(obj: h5py.HLObject | h5py.h5d.DatasetID, name: str, value: Any) -> Any:
