@@ -175,15 +175,14 @@ class PackedFile:
         # Written without libhdf5: the file attributes, kept until the end.
         self._raw: hdf5.RawFile | None = None
         self._raw_attrs: dict[str, Any] = {}
-        self._file: h5py.File | None = None
+        self._file: h5py.File | None = None  # or written by libhdf5 (:meth:`_open_libhdf5`)
+        self._libhdf5_fd: int | None = None
+        self._contiguous: _Contiguous | None = None
         try:
             if written_raw(compress, [*attributes.items(), *((k, v) for k, v, _ in meta)]):
                 self._raw = hdf5.RawFile(self.tmp_path)
             else:
-                # Tensor data starts on a page boundary (whole pages of the page cache).
-                self._file = h5py.File(
-                    self.tmp_path, "w", libver=LIBVER, alignment_threshold=_ALIGN_ABOVE, alignment_interval=_ALIGN
-                )
+                self._open_libhdf5()
         except Exception as exc:
             problem = folder_problem(self.path.parent) or one_line(exc)
             raise DumpError(f"{self.path}: cannot create the dump: {problem}", path=str(self.path)) from exc
@@ -192,14 +191,7 @@ class PackedFile:
                 self._set_root(key, value)
             self.write_meta(meta)
             self._links["tensors"] = Link("group", {})
-            if self._raw is not None:
-                fd: int | None = self._raw.fd
-                self._contiguous = None
-            else:
-                self._group = self._file.create_group("tensors")
-                handle = self._file.id.get_vfd_handle()
-                fd = handle if isinstance(handle, int) else None  # libhdf5's, on POSIX
-                self._contiguous = None if self._compression else _Contiguous(self._group, fd)
+            fd = self._raw.fd if self._raw is not None else self._libhdf5_fd
             self._writeback_fd = fd if durable and _SYNC_FILE_RANGE is not None else None
         except BaseException:
             self.abort()
@@ -223,6 +215,16 @@ class PackedFile:
         self._set_root("json_attributes", json.dumps(json_keys))
         self._meta_keys = [key for key, _, _ in meta]
         self._meta_written = meta
+
+    def _open_libhdf5(self) -> None:
+        """The file created by libhdf5, with ``/tensors`` (and, uncompressed, the
+        datasets' writer); ``_libhdf5_fd``: libhdf5's file descriptor, on POSIX."""
+        # Tensor data starts on a page boundary (whole pages of the page cache).
+        self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, alignment_threshold=_ALIGN_ABOVE, alignment_interval=_ALIGN)
+        self._group = self._file.create_group("tensors")
+        handle = self._file.id.get_vfd_handle()
+        self._libhdf5_fd = handle if isinstance(handle, int) else None
+        self._contiguous = None if self._compression else _Contiguous(self._group, self._libhdf5_fd)
 
     def _set_root(self, key: str, value: Any) -> None:
         """A file attribute: written now through libhdf5, or at the end without it."""
@@ -290,14 +292,12 @@ class PackedFile:
         failure removes the temporary file, and raises."""
         try:
             self._check_open()
-            if self._raw is not None:
-                try:
-                    messages = [hdf5.attribute(key, value)[0] for key, value in self._raw_attrs.items()]
-                except hdf5.TooLarge:  # ``meta`` grew too large since the file was made
-                    self._through_libhdf5()
-            if self._raw is not None:
+            messages = self._raw_messages()
+            if messages is not None:
                 self._finish_raw(index, messages)
             else:
+                if self._raw is not None:  # ``meta`` grew too large since the file was made
+                    self._through_libhdf5()
                 f = self._file
                 for name, chunked in self._chunked.items():
                     self._links[f"tensors/{name}"] = chunked.finish()
@@ -316,15 +316,21 @@ class PackedFile:
         if self.durable:
             _fsync(self.path.parent)
 
+    def _raw_messages(self) -> list[bytes] | None:
+        """The file attributes' messages, written without libhdf5; ``None`` where libhdf5
+        writes the file, or an attribute is now too large for a message."""
+        if self._raw is None:
+            return None
+        try:
+            return [hdf5.attribute(key, value)[0] for key, value in self._raw_attrs.items()]
+        except hdf5.TooLarge:
+            return None
+
     def _finish_raw(self, index: bytes, messages: list[bytes]) -> None:
         """:meth:`finish`'s structures, written without libhdf5 (``messages``: the file
         attributes' so far)."""
-        size = max(len(index), 1)
-        index_attrs, attrs = [], {}
-        if self.checksums:
-            message, attrs["crc32c"] = hdf5.attribute("crc32c", format(crc32c(index), "08x"))
-            index_attrs.append(message)
-        self._links["index"] = Link("dataset", attrs, np.dtype(f"S{size}").str, ())
+        crc = self._index_link(index)
+        index_attrs = [] if crc is None else [hdf5.attribute("crc32c", crc)[0]]
         messages += [hdf5.attribute("metadata_digest", digest(self._root, self._links))[0], hdf5.attribute("complete", True)[0]]
         raw, self._raw = self._raw, None
         try:
@@ -341,15 +347,12 @@ class PackedFile:
         staged = self.tmp_path.with_name(self.tmp_path.name + "-data")
         os.replace(self.tmp_path, staged)
         try:
-            self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, alignment_threshold=_ALIGN_ABOVE, alignment_interval=_ALIGN)
+            self._open_libhdf5()
             for key, value in self._raw_attrs.items():
                 set_attr(self._file, key, value)
-            self._group = self._file.create_group("tensors")
-            handle = self._file.id.get_vfd_handle()
-            contiguous = _Contiguous(self._group, handle if isinstance(handle, int) else None)
             for name, dtype, count, offset in raw.datasets:
                 data = np.memmap(staged, dtype=dtype, mode="r", offset=offset, shape=(count,)) if count else np.empty(0, dtype)
-                contiguous.write(name, dtype, [data])
+                self._contiguous.write(name, dtype, [data])
                 del data
         finally:
             os.remove(staged)
@@ -387,10 +390,17 @@ class PackedFile:
         dcpl.set_obj_track_times(False)
         dset = h5py.h5d.create(f.id, b"index", tid, h5py.h5s.create(h5py.h5s.SCALAR), dcpl=dcpl)
         dset.write(h5py.h5s.ALL, h5py.h5s.ALL, np.array(data, dtype=f"S{size}"), mtype=tid)
-        attrs = {}
-        if self.checksums:
-            attrs["crc32c"] = set_attr(dset, "crc32c", format(crc32c(data), "08x"))
-        self._links["index"] = Link("dataset", attrs, np.dtype(f"S{size}").str, ())
+        crc = self._index_link(data)
+        if crc is not None:
+            set_attr(dset, "crc32c", crc)
+
+    def _index_link(self, data: bytes) -> str | None:
+        """Record ``/index`` (the bytes ``data``) for the metadata digest; returns its
+        ``crc32c`` attribute (``None`` without checksums)."""
+        crc = format(crc32c(data), "08x") if self.checksums else None
+        attrs = {} if crc is None else {"crc32c": scalar("crc32c", crc)[2]}
+        self._links["index"] = Link("dataset", attrs, np.dtype(f"S{max(len(data), 1)}").str, ())
+        return crc
 
 
 def written_raw(compress: str | None, attributes: Any) -> bool:
