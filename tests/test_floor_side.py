@@ -3,6 +3,7 @@ already made answers with that call's output, and the report is the same as when
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -137,3 +138,83 @@ def test_a_floor_bit_for_bit_the_candidates_takes_the_checks_number(ids, monkeyp
     assert _checks(answered) == _checks(everything_summed)
     assert answered.first_divergence is None
     assert len(summed) > 20 and left < len(summed) / 4
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 64), (16, 64)], ids=["3d", "2d"])
+def test_a_floor_linears_input_gradient_is_the_same_product_and_the_rest_is_autograds(shape):
+    """In the floor's backward context (forced here for bfloat16, whatever this CPU has),
+    ``F.linear`` gives the same output bits, the same weight and bias gradients, and an
+    input gradient of the same product (elements one rounding apart at most)."""
+    from blockdiff.sides import precision
+
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    w0 = (torch.randn(48, 64, generator=gen) / 8).to(torch.bfloat16)
+    b0 = torch.randn(48, generator=gen).to(torch.bfloat16)
+    seed = torch.randn((*shape[:-1], 48), generator=gen).to(torch.bfloat16)
+
+    def run(mode):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        with mode:
+            y = torch.nn.functional.linear(x, w, b)
+            passed = type(y.grad_fn).__name__
+        return (y.detach(), *torch.autograd.grad(y, (x, w, b), seed)), passed
+
+    (y, gx, gw, gb), native = run(contextlib.nullcontext())
+    (y2, gx2, gw2, gb2), rerouted = run(precision._FloorLinear(frozenset({torch.bfloat16})))
+    assert rerouted == "_InputGradientBackward" and native != rerouted
+    assert torch.equal(y, y2) and torch.equal(gw, gw2) and torch.equal(gb, gb2)
+    exact = seed.double().reshape(-1, 48) @ w0.double()
+    assert (gx2.double().reshape(-1, 64) - exact).abs().max() <= (exact.abs().max() * 2**-7)
+    assert (gx2 == gx).float().mean() > 0.99 and ((gx2.double() - gx.double()).abs() <= gx.double().abs() * 2**-7).all()
+    # No input gradient asked for (an input that does not require grad): autograd's own path.
+    with precision._FloorLinear(frozenset({torch.bfloat16})):
+        y3 = torch.nn.functional.linear(x0, w0.clone().requires_grad_(), b0)
+    assert type(y3.grad_fn).__name__ != "_InputGradientBackward" and torch.equal(y3.detach(), y)
+
+
+def test_the_floors_backward_context_acts_only_where_the_matmul_is_a_scalar_loop():
+    from blockdiff.sides import precision
+
+    slow = precision._scalar_matmul_dtypes()
+    for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cpu"), (torch.float16, "cpu"), (torch.bfloat16, "meta")):
+        with precision.floor_backward(dtype, torch.device(device)):
+            active = torch._C._len_torch_function_stack() > 0
+        assert active == (device == "cpu" and dtype in slow), (dtype, device)
+    assert torch.float32 not in slow
+
+
+def test_a_backward_diff_against_other_code_judges_the_same_with_the_floors_input_gradients_rerouted(monkeypatch):
+    """The floor side's Linear input gradients by the column-major weight (the context
+    forced on) or by autograd's own kernel (forced off): the same verdict, and every
+    threshold within 0.1 % (the gradients differ only by elements one rounding apart)."""
+    from blockdiff import Options, run
+    from blockdiff.sides import precision
+
+    pytest.importorskip("transformers")
+    from samples import hf_llama
+
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    ran = []
+    backward = precision._InputGradient.backward
+    monkeypatch.setattr(precision._InputGradient, "backward", staticmethod(lambda ctx, g: ran.append(1) or backward(ctx, g)))
+
+    def thresholds(slow: frozenset) -> tuple[str, list[float]]:
+        monkeypatch.setattr(precision, "_scalar_matmul_dtypes", lambda: slow)
+        candidate = hf_llama.build().to(torch.bfloat16)
+        for module in candidate.modules():  # other code: every floor measured on the floor side
+            module.__class__ = type("Ported" + type(module).__name__, (type(module),), {})
+        report = run(hf_llama.build(), candidate, ids, options=Options(backward=True))
+        back = report.backward
+        found = [c.threshold.value for b in back.blocks for s in b.subpaths.values() for c in s.checks]
+        found += [b.block.threshold.value for b in back.blocks if b.block] + [s.local.threshold.value for s in back.stages if s.local]
+        return report.verdict(), found
+
+    verdict_on, on = thresholds(frozenset({torch.bfloat16}))
+    assert ran, "the floor's Linear input gradients were not rerouted"
+    ran.clear()
+    verdict_off, off = thresholds(frozenset())
+    assert not ran
+    assert verdict_on == verdict_off == "forward: no divergence; backward: no divergence"
+    assert len(on) == len(off) > 20
+    assert on == pytest.approx(off, rel=1e-3)

@@ -61,7 +61,7 @@ from ..site import (
 from ..store import SiteStore
 from . import Frozen, Hidden, Side, SideDefaults, received_dtype
 from .compiled import compile_context, compiled_code_limits, compiled_forwards, compiled_runnable
-from .precision import cast_copy, twins
+from .precision import cast_copy, floor_backward, twins
 
 
 @contextlib.contextmanager
@@ -773,7 +773,21 @@ class PrecisionSide(LiveSide):
         return self._copy.get_submodule(path)
 
     def runnable(self, path: str, module: nn.Module | None = None) -> Callable:
-        return self.module(path) if module is None else module  # a copy, run eagerly
+        """The copy's module, run eagerly; with autograd on, in :func:`floor_backward`."""
+        run = self.module(path) if module is None else module
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return run(*args, **kwargs)
+            with floor_backward(self.dtype, self.device):
+                return run(*args, **kwargs)
+
+        return call
+
+    def record_gradients(self, *args: Any, **kwargs: Any) -> "Gradients":
+        """:meth:`LiveSide.record_gradients` in :func:`floor_backward`."""
+        with floor_backward(self.dtype, self.device):
+            return super().record_gradients(*args, **kwargs)
 
     def record(
         self, inputs: Inputs, store: SiteStore, *, hold: str | None = None, progress: Callable[[int, int], None] | None = None
