@@ -37,8 +37,14 @@ def start(args: list[str], tmp_path: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "blockdiff.cli", *args], cwd=tmp_path, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_interruptible,
     )
+
+
+def _interruptible() -> None:
+    """Ctrl-C's default in the child, as at a terminal: under a parent started in the
+    background (``cmd &`` in a script) SIGINT is ignored, and stays ignored in children."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for(pattern: str, folder: Path, proc: subprocess.Popen) -> None:

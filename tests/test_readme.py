@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -160,12 +161,17 @@ COMMANDS = [command for recipe in RECIPES for command in recipe.commands]
 
 def _python_first(root: Path) -> str:
     """A folder whose ``python`` is the Python running the tests (CI may have ``python3``
-    alone), to put first on PATH, before this Python's own scripts (``blockdiff``)."""
+    alone), to put first on PATH, before this Python's own scripts (``blockdiff``). A
+    script that runs it, not a link to it: a link in another folder is a virtual
+    environment's Python without the environment (it looks for ``pyvenv.cfg`` beside the
+    link, then runs the base Python)."""
     folder = root / "bin"
     folder.mkdir(exist_ok=True)
     for name in ("python", "python3"):
-        if not (folder / name).exists():
-            (folder / name).symlink_to(sys.executable)
+        script = folder / name
+        if not script.exists():
+            script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+            script.chmod(0o755)
     return os.pathsep.join([str(folder), str(Path(sys.executable).parent)])
 
 
