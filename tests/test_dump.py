@@ -961,6 +961,33 @@ def test_datasets_are_allocated_at_once(tmp_path, monkeypatch):
         assert other.stat().st_size == len(data) and other.read_bytes()[start:end] == data[start:end]
 
 
+def test_write_calls_are_larger_once_the_dump_is_closing(tmp_path, monkeypatch):
+    # While sites are added (a forward running beside the writes) each write call is 1 MiB
+    # at most; the batches written once close was called, 2 MiB at most (docs/performance.md).
+    import blockdiff.dump.packing as packing
+
+    real, calls = os.pwritev, []
+
+    def pwritev(fd, buffers, offset):
+        calls.append(sum(len(b) for b in buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(packing.os, "pwritev", pwritev)
+    g = torch.Generator().manual_seed(7)
+    early = [torch.randn(2**20, generator=g) for _ in range(3)]  # 12 MiB: two batches before close
+    late = [torch.randn(5 * 2**18 + 3, generator=g)]  # 5 MiB and a bit, handed over at close
+    path = tmp_path / "d.h5"
+    with DumpWriter(path, meta=META) as writer:
+        for i, t in enumerate(early):
+            writer.add(_site(block=i, module=f"m{i}", output=t))
+        writer._worker.submit(int).result()  # what was handed over is written
+        before = len(calls)
+        writer.add(_site(block=3, module="m3", output=late[0]))
+    assert sum(calls[:before]) == 12 * 2**20 and max(calls[:before]) == 2**20
+    assert calls[before:] == [2 * 2**20, 2 * 2**20, 2**20 + 12]
+    _check_round_trip(path, early + late)
+
+
 @pytest.mark.parametrize("compress", [None, "lzf"])
 def test_tensors_across_chunk_boundaries_round_trip(tmp_path, compress):
     # Whole 1 MiB chunks straight from a tensor, partial ones through the staging buffer,
@@ -1002,6 +1029,49 @@ def test_meta_changed_before_close_is_what_the_dump_records(tmp_path):
         writer.meta["layers"] = 3
     with DumpReader(path) as dump:  # the metadata digest covers them too
         assert dump.meta["ranks"] == 2 and dump.meta["layers"] == 3 and dump.meta["model"] == META["model"]
+
+
+def test_the_files_end_is_encoded_by_the_caller_while_the_thread_writes(tmp_path, monkeypatch):
+    # At close the caller encodes the index, the meta, the headers, the digest and the
+    # superblock (PackedFile.prepare) while the writer's thread writes the last batch; the
+    # thread then only writes them. The file reads as one written by the thread alone, and
+    # a meta written after them (write_meta) is not overtaken by what was encoded before.
+    import threading
+
+    import blockdiff.dump.packing as packing
+
+    where, real_prepare, real_structures = [], packing.PackedFile.prepare, packing.PackedFile._raw_structures
+
+    def prepare(self, index, meta):
+        where.append(("prepare", threading.current_thread() is threading.main_thread()))
+        return real_prepare(self, index, meta)
+
+    def structures(self, index, messages):
+        where.append(("encode", threading.current_thread() is threading.main_thread()))
+        return real_structures(self, index, messages)
+
+    monkeypatch.setattr(packing.PackedFile, "prepare", prepare)
+    monkeypatch.setattr(packing.PackedFile, "_raw_structures", structures)
+    sites, tensors = _writer_sites()
+    path = tmp_path / "d.h5"
+    with DumpWriter(path, meta=META) as writer:
+        for site in sites:
+            writer.add(site)
+        writer.meta["ranks"] = 2
+    assert where == [("prepare", True), ("encode", True)]  # on the caller, once
+    _check_round_trip(path, tensors)
+    with DumpReader(path) as dump:
+        assert dump.meta["ranks"] == 2
+    # The same file's end, prepared, then a different meta: the new meta is written.
+    where.clear()
+    file = packing.PackedFile(tmp_path / "p.h5", torch_version="2", meta=[("model", "a", False)])
+    index = packing.encode_index([], [], {})
+    assert file.prepare(index, [("model", "a", False)])
+    file.write_meta([("model", "b", False)])
+    file.finish(index)
+    assert [w for w, _ in where] == ["prepare", "encode", "encode"]  # encoded again at finish
+    with DumpReader(tmp_path / "p.h5") as dump:
+        assert dump.meta["model"] == "b"
 
 
 # --------------------------------------------------------------------------- memory

@@ -213,7 +213,7 @@ def test_arrays_are_written_before_add_returns(reference: Path, outputs: dict, t
 def test_a_failed_write_discards_the_dump(reference: Path, outputs: dict, tmp_path: Path, monkeypatch):
     import blockdiff.dump.packing as packing
 
-    def failing(fd, views, offset):
+    def failing(fd, views, offset, per_call):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(packing, "_pwrite_all", failing)

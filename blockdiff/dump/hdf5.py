@@ -228,8 +228,9 @@ def _aligned(offset: int, nbytes: int) -> int:
 class RawFile:
     """A dump file being written without libhdf5 (see the module's docstring): created at
     ``path``; :meth:`place` gives each dataset its bytes' place in the order they come,
-    the caller writes them through :attr:`fd`; :meth:`finish` writes every structure and
-    closes the file. Not thread-safe."""
+    the caller writes them through :attr:`fd`; once the last is placed, :meth:`encode_end`
+    encodes every structure (while the bytes may still be being written) and
+    :meth:`finish` writes them and closes the file. Not thread-safe."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
@@ -245,10 +246,11 @@ class RawFile:
         self.datasets.append((name, np.dtype(dtype), count, offset))
         return offset
 
-    def finish(self, attributes: list[bytes], index: bytes, index_attributes: list[bytes]) -> None:
-        """Write the structures after the data: each dataset's header, ``/tensors``,
-        ``/index`` (``index``, a fixed-length string, then its header), the root group
-        with the file's ``attributes`` (messages), then the superblock; close the file."""
+    def encode_end(self, attributes: list[bytes], index: bytes, index_attributes: list[bytes]) -> tuple[int, bytes, bytes]:
+        """What :meth:`finish` writes: where the data ends, the bytes after it —
+        each dataset's header, ``/tensors``, ``/index`` (``index``, a fixed-length string,
+        then its header), the root group with the file's ``attributes`` (messages) — and
+        the superblock. Only the datasets placed so far are in them; nothing is written."""
         parts: list[bytes] = []
         pos = self.end
 
@@ -267,9 +269,19 @@ class RawFile:
         where = put(index.ljust(size, b"\0"))
         index_header = put(dataset(string_type(size), _SCALAR_SPACE, where, size, index_attributes))
         root = put(group([("index", index_header), ("tensors", tensors)], attributes))
-        _pwrite_whole(self.fd, b"".join(parts), self.end)
-        _pwrite_whole(self.fd, superblock(pos, root), 0)
-        self.close()
+        return self.end, b"".join(parts), superblock(pos, root)
+
+    def finish(self, encoded: tuple[int, bytes, bytes]) -> None:
+        """Write what :meth:`encode_end` encoded (after the data, then the superblock) and
+        close the file."""
+        end, tail, first = encoded
+        try:
+            if end != self.end:
+                raise ValueError(f"structures encoded for data ending at {end}, the data ends at {self.end}")
+            _pwrite_whole(self.fd, tail, end)
+            _pwrite_whole(self.fd, first, 0)
+        finally:
+            self.close()
 
     def close(self) -> None:
         fd, self.fd = self.fd, None

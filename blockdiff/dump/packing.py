@@ -171,6 +171,13 @@ class PackedFile:
         self._chunked: dict[str, _Chunked] = {}
         self._unsynced = 0
         self._renamed = False
+        # Written without libhdf5: each dataset's offset, given by :meth:`place`; the end of
+        # the file as :meth:`prepare` encoded it, ``(index, RawFile.encode_end(...))``.
+        self._offsets: dict[str, int] = {}
+        self._prepared: tuple[bytes, tuple[int, bytes, bytes]] | None = None
+        # Set by the writer when it is closing (nothing runs beside its writes but the
+        # checksums): larger write calls from then on.
+        self.finishing = False
         attributes = file_attributes(torch_version, schema)
         # Written without libhdf5: the file attributes, kept until the end.
         self._raw: hdf5.RawFile | None = None
@@ -204,6 +211,7 @@ class PackedFile:
         if meta == self._meta_written:
             return
         self._check_open()
+        self._prepared = None  # what :meth:`prepare` encoded holds the meta before
         for key in [*self._meta_keys, "json_attributes"]:
             if key in self._root:
                 self._delete_root(key)
@@ -258,6 +266,10 @@ class PackedFile:
                 t.entry["data"], t.entry["offset"] = name, offset
                 offset += t.flat.size
             self._given[base] = offset if compressed else given + 1
+            if self._raw is not None:  # its place in the file, here (not where it is written)
+                dtype = items[0].flat.dtype
+                self._offsets[name] = self._raw.place(name, dtype, offset)
+                self._links[f"tensors/{name}"] = Link("dataset", {}, np.dtype(dtype).str, (offset,))
             out.append((name, items))
         return out
 
@@ -266,9 +278,8 @@ class PackedFile:
         self._check_open()
         dtype, arrays = tensors[0].flat.dtype, [t.flat for t in tensors]
         if self._raw is not None:
-            count = sum(a.size for a in arrays)
-            _write_at(self._raw.fd, self._raw.place(name, dtype, count), arrays)
-            self._links[f"tensors/{name}"] = Link("dataset", {}, np.dtype(dtype).str, (count,))
+            per_call = _FINISHING_WRITE_BYTES if self.finishing else _WRITE_BYTES
+            _write_at(self._raw.fd, self._offsets.pop(name), arrays, per_call)
         elif self._contiguous is not None:
             self._links[f"tensors/{name}"] = self._contiguous.write(name, dtype, arrays)
         else:
@@ -284,6 +295,24 @@ class PackedFile:
                 self._unsynced = 0
                 _SYNC_FILE_RANGE(self._writeback_fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
+    def prepare(self, index: bytes, meta: list[tuple[str, Any, bool]]) -> bool:
+        """Encode, ahead of :meth:`finish` and on another thread than the one writing, the
+        end of a file written without libhdf5: ``meta`` (as :meth:`write_meta`), the
+        datasets' and groups' headers, ``/index`` (the bytes ``index``), the metadata
+        digest, ``complete`` and the superblock; :meth:`finish` with the same ``index``
+        then only writes them. Call it after the last :meth:`place`; writes may still be
+        under way. ``False`` (nothing done) where libhdf5 writes the file: there the meta
+        and the end are written by :meth:`write_meta` and :meth:`finish`, on the thread
+        that writes."""
+        if self._raw is None:
+            return False
+        self.write_meta(meta)
+        messages = self._raw_messages()
+        if messages is None:  # an attribute too large for a message: libhdf5 writes it all
+            return False
+        self._prepared = (index, self._raw_structures(index, messages))
+        return True
+
     def finish(self, index: bytes) -> None:
         """The end of the dump: what compressed datasets still hold back, ``/index`` (the
         bytes of :func:`encode_index`), the metadata digest, ``complete`` last; the file
@@ -292,9 +321,14 @@ class PackedFile:
         failure removes the temporary file, and raises."""
         try:
             self._check_open()
-            messages = self._raw_messages()
-            if messages is not None:
-                self._finish_raw(index, messages)
+            prepared, self._prepared = self._prepared, None
+            if prepared is not None and self._raw is not None and prepared[0] is index and prepared[1][0] == self._raw.end:
+                raw, self._raw = self._raw, None
+                raw.finish(prepared[1])
+            elif (messages := self._raw_messages()) is not None:
+                structures = self._raw_structures(index, messages)
+                raw, self._raw = self._raw, None
+                raw.finish(structures)
             else:
                 if self._raw is not None:  # ``meta`` grew too large since the file was made
                     self._through_libhdf5()
@@ -326,17 +360,13 @@ class PackedFile:
         except hdf5.TooLarge:
             return None
 
-    def _finish_raw(self, index: bytes, messages: list[bytes]) -> None:
-        """:meth:`finish`'s structures, written without libhdf5 (``messages``: the file
-        attributes' so far)."""
+    def _raw_structures(self, index: bytes, messages: list[bytes]) -> tuple[int, bytes, bytes]:
+        """:meth:`finish`'s structures without libhdf5, encoded (``messages``: the file
+        attributes' so far): :meth:`~.hdf5.RawFile.encode_end`."""
         crc = self._index_link(index)
         index_attrs = [] if crc is None else [hdf5.attribute("crc32c", crc)[0]]
         messages += [hdf5.attribute("metadata_digest", digest(self._root, self._links))[0], hdf5.attribute("complete", True)[0]]
-        raw, self._raw = self._raw, None
-        try:
-            raw.finish(messages, index, index_attrs)
-        finally:
-            raw.close()
+        return self._raw.encode_end(messages, index, index_attrs)
 
     def _through_libhdf5(self) -> None:
         """The dump written so far, written again by libhdf5: an attribute too large for
@@ -592,19 +622,35 @@ class _Contiguous:
         return Link("dataset", {}, np.dtype(dtype).str, (count,))
 
 
+_IOV_MAX = 1024  # buffers per pwritev (POSIX guarantees at least 16; Linux and macOS: 1024)
+# Bytes per write call. From the writer's thread, 8 MiB calls ran at a tenth of the speed
+# of the same calls from the main thread in most runs on the test machine
+# (benchmarks/overhead.py, figure 2: 1.98 against 1.25); 1 MiB calls did not. On a Linux
+# 6.18 machine in figure 2's loop, 29 of 93 calls of 8 MiB took 1.4-2.0 ms of the
+# kernel's CPU time per MiB (0.26 ms the others; with 4 MiB calls some closes took 55 ms
+# instead of 15); no call of 1 or 2 MiB did (0 of 1,853; at most 0.46 ms per MiB).
+_WRITE_BYTES = 1 << 20
+# ... once the dump is finishing (:attr:`PackedFile.finishing`: no forward beside the
+# writes any more, the caller taking checksums outside the GIL): each call returns to
+# Python, and waits for the GIL, half as often. Figure 3 0.847 against 0.805 (41 pairs),
+# figure 2 1.166 against 1.213 (14); 2 MiB calls while the forward runs made figure 2
+# 1.283.
+_FINISHING_WRITE_BYTES = 2 << 20
+
+
 # Datasets are allocated on disk before they are written from this size on (not below: a
 # system call for nothing).
 _ALLOCATE_BYTES = 1 << 20
 
 
-def _write_at(fd: int, offset: int, arrays: list[np.ndarray]) -> None:
-    """``arrays``' bytes one after the other at ``offset`` of the file (allocated first
-    when they are 1 MiB or more, :func:`_allocate`)."""
+def _write_at(fd: int, offset: int, arrays: list[np.ndarray], per_call: int = _WRITE_BYTES) -> None:
+    """``arrays``' bytes one after the other at ``offset`` of the file, ``per_call`` bytes
+    at most per call (allocated first when they are 1 MiB or more, :func:`_allocate`)."""
     views = [memoryview(a).cast("B") for a in arrays if a.size]
     nbytes = sum(len(v) for v in views)
     if nbytes >= _ALLOCATE_BYTES:
         _allocate(fd, offset, nbytes)
-    _pwrite_all(fd, views, offset)
+    _pwrite_all(fd, views, offset, per_call)
 
 
 def _allocate(fd: int, offset: int, nbytes: int) -> None:
@@ -628,22 +674,15 @@ def _allocate(fd: int, offset: int, nbytes: int) -> None:
         pass
 
 
-_IOV_MAX = 1024  # buffers per pwritev (POSIX guarantees at least 16; Linux and macOS: 1024)
-# Bytes per write call. From the writer's thread, 8 MiB calls ran at a tenth of the speed
-# of the same calls from the main thread in most runs on the test machine
-# (benchmarks/overhead.py, figure 2: 1.98 against 1.25); 1 MiB calls did not.
-_WRITE_BYTES = 1 << 20
-
-
-def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
-    """Write ``views`` one after the other at ``offset``, at most ``_WRITE_BYTES`` per
+def _pwrite_all(fd: int, views: list[memoryview], offset: int, per_call: int = _WRITE_BYTES) -> None:
+    """Write ``views`` one after the other at ``offset``, at most ``per_call`` bytes per
     call: ``pwritev``, or ``pwrite`` where there is none; short writes continued."""
-    pieces = [v[i : i + _WRITE_BYTES] for v in views for i in range(0, len(v), _WRITE_BYTES)]
+    pieces = [v[i : i + per_call] for v in views for i in range(0, len(v), per_call)]
     i = 0
     while i < len(pieces):
         batch, size = [], 0
         for piece in pieces[i : i + _IOV_MAX]:
-            if size + len(piece) > _WRITE_BYTES and batch:
+            if size + len(piece) > per_call and batch:
                 break
             batch.append(piece)
             size += len(piece)

@@ -285,6 +285,7 @@ class DumpWriter:
         self._handed = self._started = 0  # batches handed to the thread (by the caller), started (by the thread)
         self._summing_done = threading.Event()  # set when the caller's share is done, at close
         self._index_bytes: bytes | None = None  # the index, when the caller could encode it
+        self._prepared = False  # and the file's end, with the meta (``PackedFile.prepare``)
         self._batch: list[_Pending] = []  # added, not handed to the thread yet
         self._batch_bytes = 0
         # Every libhdf5 call of this writer runs on one thread of its own: glibc gives that
@@ -480,6 +481,7 @@ class DumpWriter:
         """Finish the dump: the index, metadata digest, ``complete`` last, atomic rename."""
         try:
             if self._worker is not None and self._failed is None:
+                self._file.finishing = True  # the batches written from now on: larger calls
                 self._hand_over()
         except BaseException as exc:  # finished below: the dump is removed, this raised
             self._failed = self._failed or exc
@@ -488,13 +490,16 @@ class DumpWriter:
             return
         # While the thread writes what is left (then takes checksums from the first tensor
         # on), the caller takes the checksums from the last tensor back.
+        file = self._file
         done = self._worker.submit(self._close)
         try:
             while self._failed is None and self._sum_one(self._unsummed.pop):
                 pass
-            if self._failed is None and all("crc32c" in t for t in self._tensors):
-                # Every checksum is in: the index, encoded here while the thread writes.
+            if self._failed is None and (not self.checksums or all("crc32c" in t for t in self._tensors)):
+                # Every checksum is in: the index, encoded here while the thread writes, and
+                # the file's end with it where it is written without libhdf5.
                 self._index_bytes = encode_index(self._tensors, self._sites, self._structures)
+                self._prepared = file is not None and file.prepare(self._index_bytes, self._check_meta())
         except BaseException as exc:
             self._failed = self._failed or exc
         finally:
@@ -515,7 +520,8 @@ class DumpWriter:
             if self._worker is not None:
                 self._summing_done.wait()  # the caller's share
             self._raise_failure()
-            file.write_meta(self._check_meta())  # ``meta`` may have changed since the start
+            if not self._prepared:  # else the caller wrote it
+                file.write_meta(self._check_meta())  # ``meta`` may have changed since the start
             index = self._index_bytes
             if index is None:
                 index = encode_index(self._tensors, self._sites, self._structures)
