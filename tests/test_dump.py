@@ -1040,18 +1040,18 @@ def test_the_files_end_is_encoded_by_the_caller_while_the_thread_writes(tmp_path
 
     import blockdiff.dump.packing as packing
 
-    where, real_prepare, real_structures = [], packing.PackedFile.prepare, packing.PackedFile._raw_structures
+    where, real_prepare, real_structures = [], packing.PackedFile.prepare, packing.PackedFile._encode_end
 
     def prepare(self, index, meta):
         where.append(("prepare", threading.current_thread() is threading.main_thread()))
         return real_prepare(self, index, meta)
 
-    def structures(self, index, messages):
+    def structures(self, index):
         where.append(("encode", threading.current_thread() is threading.main_thread()))
-        return real_structures(self, index, messages)
+        return real_structures(self, index)
 
     monkeypatch.setattr(packing.PackedFile, "prepare", prepare)
-    monkeypatch.setattr(packing.PackedFile, "_raw_structures", structures)
+    monkeypatch.setattr(packing.PackedFile, "_encode_end", structures)
     sites, tensors = _writer_sites()
     path = tmp_path / "d.h5"
     with DumpWriter(path, meta=META) as writer:

@@ -246,8 +246,8 @@ class RawFile:
         self.datasets.append((name, np.dtype(dtype), count, offset))
         return offset
 
-    def encode_end(self, attributes: list[bytes], index: bytes, index_attributes: list[bytes]) -> tuple[int, bytes, bytes]:
-        """What :meth:`finish` writes: where the data ends, the bytes after it —
+    def encode_end(self, attributes: list[bytes], index: bytes, index_attributes: list[bytes]) -> tuple[bytes, bytes]:
+        """What :meth:`finish` writes: the bytes after the data —
         each dataset's header, ``/tensors``, ``/index`` (``index``, a fixed-length string,
         then its header), the root group with the file's ``attributes`` (messages) — and
         the superblock. Only the datasets placed so far are in them; nothing is written."""
@@ -269,16 +269,14 @@ class RawFile:
         where = put(index.ljust(size, b"\0"))
         index_header = put(dataset(string_type(size), _SCALAR_SPACE, where, size, index_attributes))
         root = put(group([("index", index_header), ("tensors", tensors)], attributes))
-        return self.end, b"".join(parts), superblock(pos, root)
+        return b"".join(parts), superblock(pos, root)
 
-    def finish(self, encoded: tuple[int, bytes, bytes]) -> None:
-        """Write what :meth:`encode_end` encoded (after the data, then the superblock) and
-        close the file."""
-        end, tail, first = encoded
+    def finish(self, encoded: tuple[bytes, bytes]) -> None:
+        """Write what :meth:`encode_end` encoded after the last dataset placed (after the
+        data, then the superblock) and close the file."""
+        tail, first = encoded
         try:
-            if end != self.end:
-                raise ValueError(f"structures encoded for data ending at {end}, the data ends at {self.end}")
-            _pwrite_whole(self.fd, tail, end)
+            _pwrite_whole(self.fd, tail, self.end)
             _pwrite_whole(self.fd, first, 0)
         finally:
             self.close()

@@ -174,7 +174,7 @@ class PackedFile:
         # Written without libhdf5: each dataset's offset, given by :meth:`place`; the end of
         # the file as :meth:`prepare` encoded it, ``(index, RawFile.encode_end(...))``.
         self._offsets: dict[str, int] = {}
-        self._prepared: tuple[bytes, tuple[int, bytes, bytes]] | None = None
+        self._prepared: tuple[bytes, tuple[bytes, bytes]] | None = None
         # Set by the writer when it is closing (nothing runs beside its writes but the
         # checksums): larger write calls from then on.
         self.finishing = False
@@ -266,6 +266,7 @@ class PackedFile:
                 t.entry["data"], t.entry["offset"] = name, offset
                 offset += t.flat.size
             self._given[base] = offset if compressed else given + 1
+            self._prepared = None  # what :meth:`prepare` encoded holds the datasets before
             if self._raw is not None:  # its place in the file, here (not where it is written)
                 dtype = items[0].flat.dtype
                 self._offsets[name] = self._raw.place(name, dtype, offset)
@@ -307,11 +308,9 @@ class PackedFile:
         if self._raw is None:
             return False
         self.write_meta(meta)
-        messages = self._raw_messages()
-        if messages is None:  # an attribute too large for a message: libhdf5 writes it all
-            return False
-        self._prepared = (index, self._raw_structures(index, messages))
-        return True
+        end = self._encode_end(index)
+        self._prepared = None if end is None else (index, end)
+        return end is not None
 
     def finish(self, index: bytes) -> None:
         """The end of the dump: what compressed datasets still hold back, ``/index`` (the
@@ -322,13 +321,10 @@ class PackedFile:
         try:
             self._check_open()
             prepared, self._prepared = self._prepared, None
-            if prepared is not None and self._raw is not None and prepared[0] is index and prepared[1][0] == self._raw.end:
+            end = prepared[1] if prepared is not None and prepared[0] is index else self._encode_end(index)
+            if end is not None:
                 raw, self._raw = self._raw, None
-                raw.finish(prepared[1])
-            elif (messages := self._raw_messages()) is not None:
-                structures = self._raw_structures(index, messages)
-                raw, self._raw = self._raw, None
-                raw.finish(structures)
+                raw.finish(end)
             else:
                 if self._raw is not None:  # ``meta`` grew too large since the file was made
                     self._through_libhdf5()
@@ -360,9 +356,13 @@ class PackedFile:
         except hdf5.TooLarge:
             return None
 
-    def _raw_structures(self, index: bytes, messages: list[bytes]) -> tuple[int, bytes, bytes]:
-        """:meth:`finish`'s structures without libhdf5, encoded (``messages``: the file
-        attributes' so far): :meth:`~.hdf5.RawFile.encode_end`."""
+    def _encode_end(self, index: bytes) -> tuple[bytes, bytes] | None:
+        """:meth:`finish`'s structures without libhdf5, encoded
+        (:meth:`~.hdf5.RawFile.encode_end`); ``None`` where libhdf5 writes the file, or an
+        attribute is now too large for a message."""
+        messages = self._raw_messages()
+        if messages is None:
+            return None
         crc = self._index_link(index)
         index_attrs = [] if crc is None else [hdf5.attribute("crc32c", crc)[0]]
         messages += [hdf5.attribute("metadata_digest", digest(self._root, self._links))[0], hdf5.attribute("complete", True)[0]]

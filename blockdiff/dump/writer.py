@@ -285,7 +285,6 @@ class DumpWriter:
         self._handed = self._started = 0  # batches handed to the thread (by the caller), started (by the thread)
         self._summing_done = threading.Event()  # set when the caller's share is done, at close
         self._index_bytes: bytes | None = None  # the index, when the caller could encode it
-        self._prepared = False  # and the file's end, with the meta (``PackedFile.prepare``)
         self._batch: list[_Pending] = []  # added, not handed to the thread yet
         self._batch_bytes = 0
         # Every libhdf5 call of this writer runs on one thread of its own: glibc gives that
@@ -499,7 +498,8 @@ class DumpWriter:
                 # Every checksum is in: the index, encoded here while the thread writes, and
                 # the file's end with it where it is written without libhdf5.
                 self._index_bytes = encode_index(self._tensors, self._sites, self._structures)
-                self._prepared = file is not None and file.prepare(self._index_bytes, self._check_meta())
+                if file is not None:
+                    file.prepare(self._index_bytes, self._check_meta())
         except BaseException as exc:
             self._failed = self._failed or exc
         finally:
@@ -520,8 +520,7 @@ class DumpWriter:
             if self._worker is not None:
                 self._summing_done.wait()  # the caller's share
             self._raise_failure()
-            if not self._prepared:  # else the caller wrote it
-                file.write_meta(self._check_meta())  # ``meta`` may have changed since the start
+            file.write_meta(self._check_meta())  # ``meta`` may have changed since the start (as prepared: nothing to do)
             index = self._index_bytes
             if index is None:
                 index = encode_index(self._tensors, self._sites, self._structures)
