@@ -15,6 +15,7 @@ is called with (T5 needs decoder token ids as well).
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -175,14 +176,16 @@ def attention_bug(*, family: str = "gemma2", block: int = DEFAULT_BLOCK) -> nn.M
     if family in ("gemma2", "gemma3", "olmo2"):
         target.self_attn.scaling = 1.0 / target.self_attn.head_dim
     elif family == "phi3":
-        _swap_class(target.self_attn.qkv_proj, "KVSwapped", _phi3_qkv_kv_swapped)
+        _swap_class(target.self_attn.qkv_proj, "KVSwapped", _fused_qkv_kv_swapped)
     elif family == "gpt2":
         target.attn.scaling = 1.0 / target.attn.head_dim
     elif family == "gpt_neox":
         target.attention.scaling = 1.0 / target.attention.head_size
     elif family == "falcon":
         attn = target.self_attention
-        attn._split_heads = _kv_swapped(attn._split_heads)
+        # Multi-query Falcon (this config) lays its fused projection out as Phi-3 does.
+        assert attn.multi_query and not attn.new_decoder_architecture
+        _swap_class(attn.query_key_value, "KVSwapped", _fused_qkv_kv_swapped)
     elif family == "bert":
         target.attention.self.scaling = 1.0 / target.attention.self.attention_head_size
     elif family == "t5":
@@ -202,20 +205,14 @@ def cross_attention_bug(*, block: int = 3) -> nn.Module:
     return model
 
 
-def _phi3_qkv_kv_swapped(self, x: torch.Tensor) -> torch.Tensor:
-    """Phi-3's fused projection with the key and value slices in the wrong order."""
+def _fused_qkv_kv_swapped(self, x: torch.Tensor) -> torch.Tensor:
+    """A fused projection laid out ``[query | key | value]`` (Phi-3's ``qkv_proj``,
+    multi-query Falcon's ``query_key_value``) with the key and value slices in the wrong
+    order."""
     qkv = F.linear(x, self.weight, self.bias)
     kv = (qkv.shape[-1] - self.in_features) // 2
     q, k, v = qkv.split([self.in_features, kv, kv], dim=-1)
     return torch.cat([q, v, k], dim=-1)
-
-
-def _kv_swapped(split: Callable) -> Callable:
-    def swapped(fused_qkv: torch.Tensor):
-        query, key, value = split(fused_qkv)
-        return query, value, key
-
-    return swapped
 
 
 def ffn_bug(*, family: str = "gemma2", block: int = DEFAULT_BLOCK) -> nn.Module:
@@ -365,13 +362,14 @@ def falcon_residual(scale: float):
     bug; 1.0 is the real block), adding the attention output into the MLP output in
     place as FalconDecoderLayer does."""
 
-    def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
-                use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+    def forward(self, hidden_states, *args, **kwargs):
+        # Bound as the real block's forward takes them (transformers before 5.2x passes
+        # ``alibi`` second, later ones do not have it), handed to the attention by name.
+        real = inspect.signature(type(self).__mro__[1].forward).bind(self, hidden_states, *args, **kwargs).arguments
+        wanted = inspect.signature(self.self_attention.forward).parameters
+        given = {k: v for k, v in real.items() if k in wanted and k not in ("self", "hidden_states", "kwargs")}
         normed = self.input_layernorm(hidden_states)
-        attention_output, attn_weights = self.self_attention(
-            normed, layer_past=layer_past, attention_mask=attention_mask, position_ids=position_ids, alibi=alibi,
-            use_cache=use_cache, output_attentions=output_attentions, position_embeddings=position_embeddings,
-        )
+        attention_output, attn_weights = self.self_attention(normed, **given, **real.get("kwargs", {}))
         mlp_output = self.mlp(normed)
         mlp_output += attention_output
         return mlp_output + scale * hidden_states, attn_weights
