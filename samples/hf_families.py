@@ -184,7 +184,8 @@ def attention_bug(*, family: str = "gemma2", block: int = DEFAULT_BLOCK) -> nn.M
     elif family == "falcon":
         attn = target.self_attention
         # Multi-query Falcon (this config) lays its fused projection out as Phi-3 does.
-        assert attn.multi_query and not attn.new_decoder_architecture
+        if not attn.multi_query or attn.new_decoder_architecture:
+            raise ValueError("falcon's attention bug is planted in a multi-query config only")
         _swap_class(attn.query_key_value, "KVSwapped", _fused_qkv_kv_swapped)
     elif family == "bert":
         target.attention.self.scaling = 1.0 / target.attention.self.attention_head_size
@@ -363,11 +364,12 @@ def falcon_residual(scale: float):
     place as FalconDecoderLayer does."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        # Bound as the real block's forward takes them (transformers before 5.2x passes
-        # ``alibi`` second, later ones do not have it), handed to the attention by name.
-        real = inspect.signature(type(self).__mro__[1].forward).bind(self, hidden_states, *args, **kwargs).arguments
+        # Installed with _swap_class: the arguments bound as the real block's forward takes
+        # them (older transformers pass ``alibi`` second, 5.25 has none), handed to the
+        # attention by name.
+        real = inspect.signature(super(type(self), self).forward).bind(hidden_states, *args, **kwargs).arguments
         wanted = inspect.signature(self.self_attention.forward).parameters
-        given = {k: v for k, v in real.items() if k in wanted and k not in ("self", "hidden_states", "kwargs")}
+        given = {k: v for k, v in real.items() if k in wanted and k not in ("hidden_states", "kwargs")}
         normed = self.input_layernorm(hidden_states)
         attention_output, attn_weights = self.self_attention(normed, **given, **real.get("kwargs", {}))
         mlp_output = self.mlp(normed)

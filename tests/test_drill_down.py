@@ -52,6 +52,7 @@ WHERE = {
     ("phi3", "attention"): "model.layers.1.self_attn.qkv_proj",  # its fused projection's split
     ("gpt2", "ffn"): "transformer.h.1.mlp.act",
     ("gpt_neox", "ffn"): "gpt_neox.layers.1.mlp.act",
+    ("falcon", "attention"): "transformer.h.1.self_attention.query_key_value",  # as Phi-3's
     ("falcon", "ffn"): "transformer.h.1.mlp.act",
     ("bert", "ffn"): "bert.encoder.layer.1.intermediate.intermediate_act_fn",
     ("t5", "ffn"): "encoder.block.1.layer.1.DenseReluDense.act",

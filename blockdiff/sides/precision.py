@@ -40,7 +40,8 @@ def twins(a: nn.Module, b: nn.Module) -> bool:
     of the same classes, no forward hooks, every parameter and buffer bit for bit the same
     (dtype, shape, strides, device), and every other attribute of every module equal —
     numbers, strings, dtypes, tensors, containers of them, dataclasses and configurations
-    (``to_dict``), the same functions (and partials of them). Anything it cannot compare (another object, a bound method, a
+    (``to_dict``), the same functions (and partials of them), modules held outside the
+    tree (compared as twins too). Anything it cannot compare (another object, a bound method, a
     tensor subclass) makes them not twins."""
     mods_a, mods_b = list(a.named_modules(remove_duplicate=False)), list(b.named_modules(remove_duplicate=False))
     if [n for n, _ in mods_a] != [n for n, _ in mods_b]:
@@ -75,6 +76,8 @@ def _same_value(x: Any, y: Any) -> bool:
         return False
     if isinstance(x, torch.Tensor):
         return _same_tensor(x, y)
+    if isinstance(x, nn.Module):  # held outside ``_modules`` (HF's ``_kernel_funcs``): the same tests
+        return twins(x, y)
     if isinstance(x, float):
         return x == y or (x != x and y != y)
     if isinstance(x, _PLAIN):
