@@ -16,7 +16,7 @@ import torch
 from blockdiff import diff
 from blockdiff.experiments import Experiments, same_arguments
 from blockdiff.sides.live import PrecisionSide
-from blockdiff.sides.precision import cast_copy, twins
+from blockdiff.sides.precision import cast_copy, cast_twins, twins
 from samples import hf_families, hf_llama, tinylm
 
 IDS = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
@@ -35,6 +35,16 @@ def _spy(monkeypatch) -> list[bool]:
     real = PrecisionSide.runs_as
     monkeypatch.setattr(PrecisionSide, "runs_as", lambda self, other: answers.append(real(self, other)) or answers[-1])
     return answers
+
+
+def _copies(monkeypatch) -> list[torch.dtype]:
+    """The dtypes of the cast copies the floor side makes (``cast_copy`` calls)."""
+    import blockdiff.sides.live as live
+
+    made: list[torch.dtype] = []
+    real = live.cast_copy
+    monkeypatch.setattr(live, "cast_copy", lambda model, dtype, device: made.append(dtype) or real(model, dtype, device))
+    return made
 
 
 def _as_json(report) -> str:
@@ -88,8 +98,10 @@ def test_a_model_against_its_own_cast_is_its_own_free_run(family, stream, monkey
     build = _builders()[family]
     reference, candidate = build(), build().to(torch.bfloat16)
     answers = _spy(monkeypatch)
+    copies = _copies(monkeypatch)
     taken = diff(reference, candidate, IDS, stream=stream)
     assert answers == [True] and taken.first_divergence is None
+    assert copies == []  # the reference was never copied at the candidate's precision
     floors = _floors(taken)
     assert len(floors) > 20 and all(floor == value for floor, value in floors)  # its error is the floor exactly
     monkeypatch.setattr(PrecisionSide, "runs_as", lambda self, other: False)
@@ -103,8 +115,9 @@ def test_a_planted_bug_is_not_a_twin_and_is_still_found(monkeypatch):
 
     reference = tinylm.build()
     answers = _spy(monkeypatch)
+    copies = _copies(monkeypatch)
     report = diff(reference, bugs.gate_up_swapped().to(torch.bfloat16), IDS)
-    assert answers == [False]
+    assert answers == [False] and copies == [torch.bfloat16]  # made once, for the floors
     assert (report.first_divergence.block, report.first_divergence.subpath) == (bugs.DEFAULT_BLOCK, "ffn")
 
 
@@ -141,6 +154,54 @@ def test_what_makes_two_models_not_twins(change):
     copy = cast_copy(reference, torch.bfloat16, torch.device("cpu"))
     assert twins(copy, hf_llama.build(arch="llama").to(torch.bfloat16))
     assert not twins(copy, change(hf_llama.build(arch="llama").to(torch.bfloat16)))
+    # Without the copy, the same answers; a twin's found with no copy made.
+    made: list[torch.nn.Module] = []
+
+    def real():
+        made.append(cast_copy(reference, torch.bfloat16, torch.device("cpu")))
+        return made[-1]
+
+    assert cast_twins(reference, hf_llama.build(arch="llama").to(torch.bfloat16), torch.bfloat16, torch.device("cpu"), made=real)
+    assert made == []
+    assert not cast_twins(reference, change(hf_llama.build(arch="llama").to(torch.bfloat16)), torch.bfloat16, torch.device("cpu"))
+
+
+def _tied(model: torch.nn.Module) -> torch.nn.Module:
+    model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _untied(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.clone())
+    return model
+
+
+def _transposed(model: torch.nn.Module) -> torch.nn.Module:
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linear.weight = torch.nn.Parameter(linear.weight.detach().t().contiguous().t())
+    return model
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "expected"),
+    [
+        pytest.param(_tied, _tied, True, id="tied on both sides"),
+        pytest.param(_tied, _untied, True, id="tied here, the same bits apart there"),
+        pytest.param(_untied, _tied, True, id="apart here, tied there"),
+        pytest.param(_tied, lambda m: m, False, id="tied here, other weights there"),
+        pytest.param(_transposed, _transposed, True, id="a weight stored transposed"),
+        pytest.param(_transposed, lambda m: m, False, id="transposed here only"),
+    ],
+)
+def test_cast_twins_answers_as_the_copy_would(ours, theirs, expected):
+    # Tensors compare by their bits, not by which are shared; layouts the chunked
+    # comparison does not vouch for ask the real copy: the answer is the copy's, whichever way.
+    reference = ours(hf_llama.build(arch="llama"))
+    candidate = theirs(hf_llama.build(arch="llama")).to(torch.bfloat16)
+    copy = cast_copy(reference, torch.bfloat16, torch.device("cpu"))
+    assert twins(copy, candidate) is expected
+    assert cast_twins(reference, candidate, torch.bfloat16, torch.device("cpu")) is expected
 
 
 def test_a_setting_makes_two_models_not_twins():

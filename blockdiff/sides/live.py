@@ -61,7 +61,7 @@ from ..site import (
 from ..store import SiteStore
 from . import Frozen, Hidden, Side, SideDefaults, received_dtype
 from .compiled import compile_context, compiled_code_limits, compiled_forwards, compiled_runnable
-from .precision import cast_copy, floor_backward, twins
+from .precision import cast_copy, cast_twins, floor_backward, twins
 
 
 @contextlib.contextmanager
@@ -806,14 +806,20 @@ class PrecisionSide(LiveSide):
     def runs_as(self, other: Side) -> bool:
         """Whether ``other`` is this side's code at this precision: a live side on this
         device whose model is the copy's twin (:func:`twins`) under the same layout. Its own
-        record then is this side's free run (same inputs, same computation)."""
+        record then is this side's free run (same inputs, same computation). Asked before
+        the copy exists, :func:`cast_twins` answers without making it (it is made only
+        where the answer needs it, and kept: a candidate that is not the twin needs it for
+        its floors)."""
         model = getattr(other, "model", None)
         return (
             isinstance(model, nn.Module)
             and type(other) is LiveSide
             and other.device == self.device
             and other.layout.to_dict() == self.layout.to_dict()
-            and twins(self.module(""), model)
+            and (
+                twins(self._copy, model) if self._copy is not None
+                else cast_twins(self.model, model, self.dtype, self.device, made=lambda: self.module(""))
+            )
         )
 
 

@@ -3,7 +3,8 @@
 :func:`cast_copy` makes the copy a noise floor runs (the reference's code in the
 candidate's dtype and device; :class:`~blockdiff.sides.live.PrecisionSide`), and
 :func:`twins` says whether a candidate *is* that copy (same classes, settings and
-bit-identical weights), so that its own record serves as the floor's free run.
+bit-identical weights), so that its own record serves as the floor's free run;
+:func:`cast_twins` says so without making the copy.
 :func:`floor_backward` is the context a floor's backward runs in: on a CPU without
 matrix units for its dtype, a ``Linear``'s input gradient computed with the weight laid
 out for PyTorch's vectorized kernel (the same product, fifteen times faster there).
@@ -16,14 +17,14 @@ import copy
 import dataclasses
 import enum
 import functools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..compare import same_bits
+from ..compare import CHUNK, same_bits
 
 
 # A module's own state that is not its settings: compared apart (tensors, submodules) or
@@ -101,10 +102,24 @@ def _same_value(x: Any, y: Any) -> bool:
 
 
 def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Bit for bit the same plain dense tensor (dtype, shape, strides, device)."""
+    """Bit for bit the same plain dense tensor (dtype, shape, strides, device): the same
+    memory viewed the same way is, without reading it."""
     if type(x) not in (torch.Tensor, nn.Parameter) or x.layout != torch.strided or x.is_quantized:
         return False
-    return x.stride() == y.stride() and same_bits({"t": x.detach()}, {"t": y.detach()})
+    if x.stride() != y.stride():
+        return False
+    if _same_memory(x, y):
+        return True
+    return same_bits({"t": x.detach()}, {"t": y.detach()})
+
+
+def _same_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Two views of the same bytes the same way (a tensor and its alias): the same dtype,
+    shape, strides and first element's address, on a device with memory."""
+    return (
+        x.device == y.device and x.device.type != "meta" and x.dtype == y.dtype and x.shape == y.shape
+        and x.stride() == y.stride() and x.numel() > 0 and x.data_ptr() != 0 and x.data_ptr() == y.data_ptr()
+    )
 
 
 def cast_copy(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -119,8 +134,75 @@ def cast_copy(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.
             continue
         cast = t.detach().to(device=device, dtype=dtype, copy=True)
         memo[id(t)] = nn.Parameter(cast, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else cast
+    return _copied(model, memo, dtype, device)
+
+
+def _copied(model: nn.Module, memo: dict[int, Any], dtype: torch.dtype, device: torch.device) -> nn.Module:
     # Positional .to calls: some models' .to takes no keywords (HookedTransformer).
     return copy.deepcopy(model, memo).to(device).to(dtype)
+
+
+def cast_twins(
+    model: nn.Module, other: nn.Module, dtype: torch.dtype, device: torch.device, made: Callable[[], nn.Module] | None = None
+) -> bool:
+    """``twins(cast_copy(model, dtype, device), other)`` without casting ``model``'s
+    weights into new memory (on a 58M-parameter model, 116 MB of bfloat16 faulted in page
+    by page: most of the copy's cost). Each floating tensor the copy would cast is
+    compared with ``other``'s tensor of the same name, cast a chunk at a time into one
+    buffer (the same conversion as the copy's). Where all agree, the copy is made with
+    aliases of ``other``'s tensors in their place (no new memory: the copy's own casts
+    would be these bits, dtype, shape and strides), and :func:`twins` compares the rest as
+    it would the real copy. Anything else (a tensor that differs, tied here and apart
+    there, non-contiguous, a name ``other`` lacks) asks the real copy: ``made()``
+    (default :func:`cast_copy`), which a caller that needs the copy anyway keeps."""
+    if made is None:
+        made = functools.partial(cast_copy, model, dtype, device)
+    classes = [(n, type(m)) for n, m in model.named_modules(remove_duplicate=False)]
+    if classes != [(n, type(m)) for n, m in other.named_modules(remove_duplicate=False)]:
+        return twins(made(), other)  # not twins (the copy's modules are these): no weight compared
+    target = torch.empty(0, device=device).device  # "cuda" as the copy's tensors say it: cuda:0
+    theirs = {("p", n): t for n, t in other.named_parameters(remove_duplicate=False)}
+    theirs.update({("b", n): t for n, t in other.named_buffers(remove_duplicate=False)})
+    ours = [(("p", n), t) for n, t in model.named_parameters(remove_duplicate=False)]
+    ours += [(("b", n), t) for n, t in model.named_buffers(remove_duplicate=False)]
+    memo: dict[int, Any] = {}
+    source: dict[int, torch.Tensor | None] = {}  # id of our tensor -> the tensor of other's it aliases
+    buffer: torch.Tensor | None = None
+    for name, t in ours:
+        if type(t) not in (torch.Tensor, nn.Parameter) or not t.is_floating_point():
+            continue
+        y = theirs.get(name)
+        if id(t) in source:
+            if source[id(t)] is not y:  # tied here, apart there
+                return twins(made(), other)
+            continue
+        if (
+            y is None or type(y) is not type(t) or t.layout != torch.strided or not t.is_contiguous()
+            or y.layout != torch.strided or y.is_quantized or y.dtype != dtype or y.device != target
+            or y.shape != t.shape or y.stride() != t.stride()  # a contiguous cast keeps the strides
+        ):
+            return twins(made(), other)
+        if buffer is None:
+            buffer = torch.empty(CHUNK, dtype=dtype, device=target)
+        if not _cast_equal(t.detach().reshape(-1), y.detach().reshape(-1), buffer):
+            return twins(made(), other)
+        source[id(t)] = y
+        alias = y.detach()
+        memo[id(t)] = nn.Parameter(alias, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else alias
+    return twins(_copied(model, memo, dtype, device), other)
+
+
+def _cast_equal(ours: torch.Tensor, theirs: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``ours`` cast to ``theirs``'s dtype is ``theirs`` bit for bit, a chunk of
+    ``buffer``'s size at a time (both flat)."""
+    with torch.no_grad():
+        for start in range(0, ours.numel(), buffer.numel()):
+            n = min(buffer.numel(), ours.numel() - start)
+            cast = buffer[:n]
+            cast.copy_(ours[start : start + n])
+            if not same_bits({"t": cast}, {"t": theirs[start : start + n]}):
+                return False
+    return True
 
 
 class _InputGradient(torch.autograd.Function):
@@ -198,4 +280,4 @@ def floor_backward(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
         yield
 
 
-__all__ = ["cast_copy", "floor_backward", "twins"]
+__all__ = ["cast_copy", "cast_twins", "floor_backward", "twins"]
