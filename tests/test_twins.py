@@ -285,3 +285,19 @@ def test_a_model_without_rotary_tables_runs_no_floor_of_its_own_cast(monkeypatch
     monkeypatch.setattr(Experiments, "floor_is_check", lambda self, *args, **kwargs: False)
     assert _as_json(diff(reference, candidate, IDS)) == _as_json(taken)
     assert ran
+
+
+def _owned(model: torch.nn.Module) -> torch.nn.Module:
+    """Each block holding its model outside the module tree (a back-reference)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.__dict__["owner"] = model
+    return model
+
+
+def test_a_module_referring_back_to_its_model_is_compared_not_recursed_into():
+    reference = _owned(hf_llama.build(arch="llama"))
+    copy = cast_copy(reference, torch.bfloat16, torch.device("cpu"))
+    assert twins(copy, _owned(hf_llama.build(arch="llama")).to(torch.bfloat16))
+    assert not twins(copy, _nudged(_owned(hf_llama.build(arch="llama")).to(torch.bfloat16)))
+    assert cast_twins(reference, _owned(hf_llama.build(arch="llama")).to(torch.bfloat16), torch.bfloat16, torch.device("cpu"))

@@ -44,6 +44,24 @@ def twins(a: nn.Module, b: nn.Module) -> bool:
     (``to_dict``), the same functions (and partials of them), modules held outside the
     tree (compared as twins too). Anything it cannot compare (another object, a bound method, a
     tensor subclass) makes them not twins."""
+    return _twins(a, b, set())
+
+
+def _twins(a: nn.Module, b: nn.Module, open_pairs: set[tuple[int, int]]) -> bool:
+    """:func:`twins`; ``open_pairs``: the (id, id) of the pairs of modules being compared
+    further up. A module held outside the tree may refer back to one of those (its model,
+    its parent): that pair is being compared already, so it stands as twins here and the
+    comparison that opened it decides."""
+    if (id(a), id(b)) in open_pairs:
+        return True
+    open_pairs.add((id(a), id(b)))
+    try:
+        return _same_tree(a, b, open_pairs)
+    finally:
+        open_pairs.discard((id(a), id(b)))
+
+
+def _same_tree(a: nn.Module, b: nn.Module, open_pairs: set[tuple[int, int]]) -> bool:
     mods_a, mods_b = list(a.named_modules(remove_duplicate=False)), list(b.named_modules(remove_duplicate=False))
     if [n for n, _ in mods_a] != [n for n, _ in mods_b]:
         return False
@@ -62,7 +80,7 @@ def twins(a: nn.Module, b: nn.Module) -> bool:
                 continue  # walked above
             elif key.endswith("hooks") and key.startswith("_"):
                 continue  # state-dict and backward hooks: not part of a forward
-            elif not _same_value(value, other):
+            elif not _same_value(value, other, open_pairs):
                 return False
     return True
 
@@ -70,7 +88,7 @@ def twins(a: nn.Module, b: nn.Module) -> bool:
 _PLAIN = (bool, int, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
 
 
-def _same_value(x: Any, y: Any) -> bool:
+def _same_value(x: Any, y: Any, open_pairs: set[tuple[int, int]]) -> bool:
     if x is y:
         return True
     if type(x) is not type(y):
@@ -78,24 +96,24 @@ def _same_value(x: Any, y: Any) -> bool:
     if isinstance(x, torch.Tensor):
         return _same_tensor(x, y)
     if isinstance(x, nn.Module):  # held outside ``_modules`` (HF's ``_kernel_funcs``): the same tests
-        return twins(x, y)
+        return _twins(x, y, open_pairs)
     if isinstance(x, float):
         return x == y or (x != x and y != y)
     if isinstance(x, _PLAIN):
         return x == y
     if isinstance(x, (tuple, list)):
-        return len(x) == len(y) and all(_same_value(u, v) for u, v in zip(x, y))
+        return len(x) == len(y) and all(_same_value(u, v, open_pairs) for u, v in zip(x, y))
     if isinstance(x, dict):
-        return x.keys() == y.keys() and all(_same_value(v, y[k]) for k, v in x.items())
+        return x.keys() == y.keys() and all(_same_value(v, y[k], open_pairs) for k, v in x.items())
     if isinstance(x, (set, frozenset)):
         return x == y and all(isinstance(v, _PLAIN) for v in x)
     if isinstance(x, functools.partial):  # deep copies make new ones of the same function
-        return x.func is y.func and _same_value(x.args, y.args) and _same_value(x.keywords, y.keywords)
+        return x.func is y.func and _same_value(x.args, y.args, open_pairs) and _same_value(x.keywords, y.keywords, open_pairs)
     if dataclasses.is_dataclass(x):
-        return all(_same_value(getattr(x, f.name), getattr(y, f.name)) for f in dataclasses.fields(x))
+        return all(_same_value(getattr(x, f.name), getattr(y, f.name), open_pairs) for f in dataclasses.fields(x))
     if callable(getattr(x, "to_dict", None)) and not isinstance(x, nn.Module):
         try:
-            return _same_value(x.to_dict(), y.to_dict())
+            return _same_value(x.to_dict(), y.to_dict(), open_pairs)
         except Exception:
             return False
     return False  # functions compare by identity (deep copies share them), above
@@ -166,7 +184,7 @@ def cast_twins(
     ours = [(("p", n), t) for n, t in model.named_parameters(remove_duplicate=False)]
     ours += [(("b", n), t) for n, t in model.named_buffers(remove_duplicate=False)]
     memo: dict[int, Any] = {}
-    source: dict[int, torch.Tensor | None] = {}  # id of our tensor -> the tensor of other's it aliases
+    source: dict[int, torch.Tensor] = {}  # id of our tensor -> the tensor of other's it aliases
     buffer: torch.Tensor | None = None
     for name, t in ours:
         if type(t) not in (torch.Tensor, nn.Parameter) or not t.is_floating_point():
