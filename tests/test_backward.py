@@ -204,10 +204,29 @@ def _ported(model: torch.nn.Module) -> torch.nn.Module:
 @pytest.mark.parametrize("build", [hf_llama.build, tinylm.build_moe], ids=["hf-llama", "moe"])
 def test_each_model_runs_forward_once_and_shared_runs_change_no_number(build, monkeypatch):
     """A backward diff records each side's forward in the run its backward differentiates,
-    each module experiment's backward runs on the graph of the forward diff's experiment on
-    that call, and a floor's whole-block run that is its residual's is run once: the report
-    is the one separate runs give, number for number."""
+    each module experiment's backward — and the candidate's whole-block one, where no routing
+    is frozen — runs on the graph of the forward diff's experiment on that call, and a
+    floor's whole-block run that is its residual's is run once: the report is the one
+    separate runs give, number for number."""
     from blockdiff import backward
+
+    judging = [False]
+    blocks_judged: list[int] = []  # each candidate block run while the backward's experiments run
+    real_judge = backward.judge
+
+    def judge(*args, **kwargs):
+        judging[0] = True
+        try:
+            return real_judge(*args, **kwargs)
+        finally:
+            judging[0] = False
+
+    monkeypatch.setattr(backward, "judge", judge)
+    from blockdiff.sides import live
+
+    made: list[live.Graphs] = []  # every side's kept graphs
+    real_init = live.Graphs.__init__
+    monkeypatch.setattr(live.Graphs, "__init__", lambda self: (real_init(self), made.append(self))[0])
 
     def diffed() -> tuple[dict, dict[str, int]]:
         reference, candidate = build(), _ported(build()).to(torch.bfloat16)
@@ -219,6 +238,9 @@ def test_each_model_runs_forward_once_and_shared_runs_change_no_number(build, mo
             )
         for module in candidate.modules():
             module.register_forward_pre_hook(lambda *_: forwards.__setitem__("candidate's modules", forwards["candidate's modules"] + 1))
+        blocks_judged.clear()
+        for index, block in enumerate(_blocks(candidate)):
+            block.register_forward_pre_hook(lambda *_, index=index: blocks_judged.append(index) if judging[0] else None)
         report = run(reference, candidate, IDS, options=Options(backward=True))
         assert report.verdict() == "forward: no divergence; backward: no divergence"
         assert report.tolerance["policy"] == "calibrated"
@@ -230,6 +252,15 @@ def test_each_model_runs_forward_once_and_shared_runs_change_no_number(build, mo
     shared, forwards = diffed()
     modules = forwards.pop("candidate's modules")
     assert forwards == {"reference": 1, "candidate": 1}
+    # In the backward, each block runs for its residual experiment (its modules answered by
+    # the reference's); its whole-block experiment runs again only with routing frozen
+    # (MoE), or where the forward's was answered by the candidate's own recorded call
+    # (block 0: its input is the reference's cast, bit for bit), which kept no graph.
+    count = len(_blocks(build()))
+    again = range(count) if build is tinylm.build_moe else [0]
+    assert sorted(blocks_judged) == sorted([*range(count), *again])
+    # Every graph the forward kept was the backward's (none held for nothing until the end).
+    assert len(made) == 2 and not any(graphs._kept for graphs in made)
     probe = backward.BackwardExperiments.residual_probe
     found: list[dict] = []
 
@@ -247,6 +278,13 @@ def test_each_model_runs_forward_once_and_shared_runs_change_no_number(build, mo
     if build is hf_llama.build:
         assert len(found) == 4 and all(shares and all(shares.values()) for shares in found)
     assert apart == shared
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's blocks as blockdiff finds them."""
+    from blockdiff.autodetect import resolve
+
+    return [model.get_submodule(block.path) for block in resolve(model).blocks]
 
 
 def test_the_users_models_are_left_as_they_were():

@@ -16,7 +16,7 @@ import torch
 from blockdiff import diff
 from blockdiff.experiments import Experiments, same_arguments
 from blockdiff.sides.live import PrecisionSide
-from blockdiff.sides.precision import cast_copy, cast_twins, twins
+from blockdiff.sides.precision import cast_copy, twin_copy, twins
 from samples import hf_families, hf_llama, tinylm
 
 IDS = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
@@ -121,6 +121,23 @@ def test_a_planted_bug_is_not_a_twin_and_is_still_found(monkeypatch):
     assert (report.first_divergence.block, report.first_divergence.subpath) == (bugs.DEFAULT_BLOCK, "ffn")
 
 
+def test_a_twins_backward_diff_runs_its_residual_experiments_on_the_twins_weights(monkeypatch):
+    # The backward's residual experiments run the reference's modules at the candidate's
+    # precision: for a twin, the copy found holds the candidate's own parameters, so the
+    # reference's weights are never cast again; the report is the real copy's, number for number.
+    import blockdiff.sides.live as live
+    from blockdiff import Options, run
+
+    reference, candidate = hf_llama.build(arch="llama"), hf_llama.build(arch="llama").to(torch.bfloat16)
+    copies = _copies(monkeypatch)
+    taken = run(reference, candidate, IDS, options=Options(backward=True))
+    assert copies == [] and taken.verdict() == "forward: no divergence; backward: no divergence"
+    monkeypatch.setattr(live, "twin_copy", lambda model, other, dtype, device, made: (lambda c: c if twins(c, other) else None)(made()))
+    copied = run(reference, candidate, IDS, options=Options(backward=True))
+    assert copies == [torch.bfloat16]
+    assert _as_json(copied) == _as_json(taken)
+
+
 def _nudged(model: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():
         weight = next(p for p in model.parameters() if p.dim() == 2)
@@ -161,9 +178,14 @@ def test_what_makes_two_models_not_twins(change):
         made.append(cast_copy(reference, torch.bfloat16, torch.device("cpu")))
         return made[-1]
 
-    assert cast_twins(reference, hf_llama.build(arch="llama").to(torch.bfloat16), torch.bfloat16, torch.device("cpu"), made=real)
-    assert made == []
-    assert not cast_twins(reference, change(hf_llama.build(arch="llama").to(torch.bfloat16)), torch.bfloat16, torch.device("cpu"))
+    twin = hf_llama.build(arch="llama").to(torch.bfloat16)
+    found = twin_copy(reference, twin, torch.bfloat16, torch.device("cpu"), made=real)
+    assert found is not None and made == []
+    # The copy found runs the twin's own parameters (no second copy of the weights); its
+    # buffers are its own (a forward may write into one).
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(found.parameters(), twin.parameters()))
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(found.buffers(), twin.buffers()) if b.is_floating_point())
+    assert twin_copy(reference, change(hf_llama.build(arch="llama").to(torch.bfloat16)), torch.bfloat16, torch.device("cpu")) is None
 
 
 def _tied(model: torch.nn.Module) -> torch.nn.Module:
@@ -194,14 +216,14 @@ def _transposed(model: torch.nn.Module) -> torch.nn.Module:
         pytest.param(_transposed, lambda m: m, False, id="transposed here only"),
     ],
 )
-def test_cast_twins_answers_as_the_copy_would(ours, theirs, expected):
+def test_twin_copy_answers_as_the_copy_would(ours, theirs, expected):
     # Tensors compare by their bits, not by which are shared; layouts the chunked
     # comparison does not vouch for ask the real copy: the answer is the copy's, whichever way.
     reference = ours(hf_llama.build(arch="llama"))
     candidate = theirs(hf_llama.build(arch="llama")).to(torch.bfloat16)
     copy = cast_copy(reference, torch.bfloat16, torch.device("cpu"))
     assert twins(copy, candidate) is expected
-    assert cast_twins(reference, candidate, torch.bfloat16, torch.device("cpu")) is expected
+    assert (twin_copy(reference, candidate, torch.bfloat16, torch.device("cpu")) is not None) is expected
 
 
 def test_a_setting_makes_two_models_not_twins():
@@ -300,4 +322,4 @@ def test_a_module_referring_back_to_its_model_is_compared_not_recursed_into():
     copy = cast_copy(reference, torch.bfloat16, torch.device("cpu"))
     assert twins(copy, _owned(hf_llama.build(arch="llama")).to(torch.bfloat16))
     assert not twins(copy, _nudged(_owned(hf_llama.build(arch="llama")).to(torch.bfloat16)))
-    assert cast_twins(reference, _owned(hf_llama.build(arch="llama")).to(torch.bfloat16), torch.bfloat16, torch.device("cpu"))
+    assert twin_copy(reference, _owned(hf_llama.build(arch="llama")).to(torch.bfloat16), torch.bfloat16, torch.device("cpu")) is not None

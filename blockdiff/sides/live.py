@@ -61,7 +61,7 @@ from ..site import (
 from ..store import SiteStore
 from . import Frozen, Hidden, Side, SideDefaults, received_dtype
 from .compiled import compile_context, compiled_code_limits, compiled_forwards, compiled_runnable
-from .precision import cast_copy, cast_twins, floor_backward, twins
+from .precision import cast_copy, floor_backward, twin_copy, twins
 
 
 @contextlib.contextmanager
@@ -337,8 +337,11 @@ class LiveSide(SideDefaults):
     def _module_on(self, path: str, call: Site, hidden: Hidden | None, cache: Any) -> Any:
         """Module ``path`` run on ``call`` (activations ``hidden``) with ``cache``; while
         :attr:`graphs` is open, with autograd on and its graph kept for the backward's
-        experiment on the same call (the output handed back detached)."""
-        if self.graphs is not None and self.graphs.open and cache is None:
+        experiment on the same call (the output handed back detached). Not a block's: the
+        backward's floor run of a whole block has its modules probed (whether it is the
+        residual's floor too), which a kept graph cannot be; the candidate's whole block
+        keeps its graph in :meth:`run_block`."""
+        if self.graphs is not None and self.graphs.open and cache is None and path not in self._block_paths():
             given = call.hidden_inputs() if hidden is None else hidden
             params = [p for p in self.module(path).parameters() if p.is_floating_point()]
             with self._graph(path, call, given, params) as (leaves, out):
@@ -347,6 +350,9 @@ class LiveSide(SideDefaults):
         args, kwargs = self._replay(call, hidden, cache)
         with _on(cache, self.module(path)):
             return self.runnable(path)(*args, **kwargs)
+
+    def _block_paths(self) -> set[str]:
+        return {block.path for block in self.layout.blocks}
 
     def child_calls(self, path: str, call: Site, hidden: Hidden | None = None, *, depth: int = 2) -> list[Site]:
         """Module ``path`` run on ``call`` (its activations replaced by ``hidden``), with
@@ -394,7 +400,9 @@ class LiveSide(SideDefaults):
 
         A frozen module answers with the first site's primary tensor in the structure and
         dtypes of the second (the running side's own recorded output); a router answers
-        with the whole recorded routing decision.
+        with the whole recorded routing decision. Nothing frozen, while :attr:`graphs` is
+        open, the block runs with autograd on and its graph is kept for the backward's
+        whole-block experiment on the same call (:meth:`backward_module`).
         """
         block = self.module(path)
         device, cast = self.device, self.cast
@@ -440,16 +448,27 @@ class LiveSide(SideDefaults):
 
             return forward
 
-        with Hooks() as hooks:
+        def hooked(hooks: Hooks, block: nn.Module) -> None:
             named = dict(block.named_modules())
             for rel, subpath in modules.items():
                 hooks.before(named[rel], pre(rel, subpath))
                 if frozen:
                     hooks.replace_forward(named[rel], lambda original, rel=rel: frozen_forward(rel, original))
-            stream = self._written_stream(("block", path, frozenset(frozen or ())), call)
-            args, kwargs = self._replay(call, hidden, stream)
-            with _on(stream, block):
-                out = primary_tensor(self.runnable(path, block)(*args, **kwargs))
+
+        stream = self._written_stream(("block", path, frozenset(frozen or ())), call)
+        if self.graphs is not None and self.graphs.open and stream is None and not frozen:
+            # The whole block on the reference's input: the backward's whole-block
+            # experiment on the same call runs its backward alone from this graph.
+            given = call.hidden_inputs() if hidden is None else hidden
+            with self._graph(path, call, given, [], hooked) as (leaves, output):
+                self.graphs.keep(path, call, given, leaves, output)
+            out = primary_tensor(_detached(output))
+        else:
+            with Hooks() as hooks:
+                hooked(hooks, block)
+                args, kwargs = self._replay(call, hidden, stream)
+                with _on(stream, block):
+                    out = primary_tensor(self.runnable(path, block)(*args, **kwargs))
         if out is None:
             raise PairingError(f"{call.label}: the block returned no tensor")
         return out, reached
@@ -746,7 +765,8 @@ class PrecisionSide(LiveSide):
     The copy is made on first use and kept while the side lives: the free run and every
     floor experiment run it, so each weight is cast once (a copy per experiment cast the
     whole model twice over). It costs the model's weights at this precision in memory, as
-    long as the diff runs."""
+    long as the diff runs; against a candidate that is its twin (:meth:`runs_as`), the
+    copy holds the candidate's own parameters and costs nothing more."""
 
     def __init__(self, side: LiveSide, dtype: torch.dtype, device: torch.device) -> None:
         self.name, self.layout, self.meta, self.store = side.name, side.layout, side.meta, side.store
@@ -807,20 +827,24 @@ class PrecisionSide(LiveSide):
         """Whether ``other`` is this side's code at this precision: a live side on this
         device whose model is the copy's twin (:func:`twins`) under the same layout. Its own
         record then is this side's free run (same inputs, same computation). Asked before
-        the copy exists, :func:`cast_twins` answers without making it (it is made only
-        where the answer needs it, and kept: a candidate that is not the twin needs it for
-        its floors)."""
+        the copy exists, :func:`twin_copy` answers without casting the weights; a twin's
+        copy, made of its own parameters, is kept as this side's (what a backward diff's
+        residual experiments run costs no second copy of the weights). A candidate that is
+        not the twin gets the real copy, for its floors."""
         model = getattr(other, "model", None)
-        return (
+        if not (
             isinstance(model, nn.Module)
             and type(other) is LiveSide
             and other.device == self.device
             and other.layout.to_dict() == self.layout.to_dict()
-            and (
-                twins(self._copy, model) if self._copy is not None
-                else cast_twins(self.model, model, self.dtype, self.device, made=lambda: self.module(""))
-            )
-        )
+        ):
+            return False
+        if self._copy is not None:
+            return twins(self._copy, model)
+        twin = twin_copy(self.model, model, self.dtype, self.device, made=lambda: self.module(""))
+        if twin is not None:
+            self._copy = twin
+        return twin is not None
 
 
 class _Children:

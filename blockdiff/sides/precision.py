@@ -4,7 +4,8 @@
 candidate's dtype and device; :class:`~blockdiff.sides.live.PrecisionSide`), and
 :func:`twins` says whether a candidate *is* that copy (same classes, settings and
 bit-identical weights), so that its own record serves as the floor's free run;
-:func:`cast_twins` says so without making the copy.
+:func:`twin_copy` says so without casting the weights again (the copy it hands back
+runs the twin's own).
 :func:`floor_backward` is the context a floor's backward runs in: on a CPU without
 matrix units for its dtype, a ``Linear``'s input gradient computed with the weight laid
 out for PyTorch's vectorized kernel (the same product, fifteen times faster there).
@@ -160,31 +161,38 @@ def _copied(model: nn.Module, memo: dict[int, Any], dtype: torch.dtype, device: 
     return copy.deepcopy(model, memo).to(device).to(dtype)
 
 
-def cast_twins(
+def twin_copy(
     model: nn.Module, other: nn.Module, dtype: torch.dtype, device: torch.device, made: Callable[[], nn.Module] | None = None
-) -> bool:
-    """``twins(cast_copy(model, dtype, device), other)`` without casting ``model``'s
-    weights into new memory (on a 58M-parameter model, 116 MB of bfloat16 faulted in page
-    by page: most of the copy's cost). Each floating tensor the copy would cast is
-    compared with ``other``'s tensor of the same name, cast a chunk at a time into one
-    buffer (the same conversion as the copy's). Where all agree, the copy is made with
-    aliases of ``other``'s tensors in their place (no new memory: the copy's own casts
-    would be these bits, dtype, shape and strides), and :func:`twins` compares the rest as
-    it would the real copy. Anything else (a tensor that differs, tied here and apart
-    there, non-contiguous, a name ``other`` lacks) asks the real copy: ``made()``
-    (default :func:`cast_copy`), which a caller that needs the copy anyway keeps."""
+) -> nn.Module | None:
+    """The cast copy of ``model`` (:func:`cast_copy`) when it is ``other``'s twin
+    (:func:`twins`), else ``None`` — found without casting ``model``'s weights into new
+    memory (on a 58M-parameter model, 116 MB of bfloat16 faulted in page by page: most of
+    the copy's cost). Each floating tensor the copy would cast is compared with
+    ``other``'s tensor of the same name, cast a chunk at a time into one buffer (the same
+    conversion as the copy's). Where all agree, the copy is made with ``other``'s
+    parameters themselves in their place (no new memory: the copy's own casts would be
+    these bits, dtype, shape and strides) and copies of its floating buffers (what a
+    forward may write into, a cache, stays the copy's own), and :func:`twins` compares the
+    rest as it would the real copy; the copy returned runs ``other``'s weights. Anything
+    else (a tensor that differs, tied here and apart there, non-contiguous, a name
+    ``other`` lacks) asks the real copy: ``made()`` (default :func:`cast_copy`), which a
+    caller that needs the copy anyway keeps."""
     if made is None:
         made = functools.partial(cast_copy, model, dtype, device)
+
+    def if_twins(copied: nn.Module) -> nn.Module | None:
+        return copied if twins(copied, other) else None
+
     classes = [(n, type(m)) for n, m in model.named_modules(remove_duplicate=False)]
     if classes != [(n, type(m)) for n, m in other.named_modules(remove_duplicate=False)]:
-        return twins(made(), other)  # not twins (the copy's modules are these): no weight compared
+        return if_twins(made())  # not twins (the copy's modules are these): no weight compared
     target = torch.empty(0, device=device).device  # "cuda" as the copy's tensors say it: cuda:0
     theirs = {("p", n): t for n, t in other.named_parameters(remove_duplicate=False)}
     theirs.update({("b", n): t for n, t in other.named_buffers(remove_duplicate=False)})
     ours = [(("p", n), t) for n, t in model.named_parameters(remove_duplicate=False)]
     ours += [(("b", n), t) for n, t in model.named_buffers(remove_duplicate=False)]
     memo: dict[int, Any] = {}
-    source: dict[int, torch.Tensor] = {}  # id of our tensor -> the tensor of other's it aliases
+    source: dict[int, torch.Tensor] = {}  # id of our tensor -> the tensor of other's it stands for
     buffer: torch.Tensor | None = None
     for name, t in ours:
         if type(t) not in (torch.Tensor, nn.Parameter) or not t.is_floating_point():
@@ -192,22 +200,24 @@ def cast_twins(
         y = theirs.get(name)
         if id(t) in source:
             if source[id(t)] is not y:  # tied here, apart there
-                return twins(made(), other)
+                return if_twins(made())
             continue
         if (
             y is None or type(y) is not type(t) or t.layout != torch.strided or not t.is_contiguous()
             or y.layout != torch.strided or y.is_quantized or y.dtype != dtype or y.device != target
             or y.shape != t.shape or y.stride() != t.stride()  # a contiguous cast keeps the strides
         ):
-            return twins(made(), other)
+            return if_twins(made())
         if buffer is None:
             buffer = torch.empty(CHUNK, dtype=dtype, device=target)
         if not _cast_equal(t.detach().reshape(-1), y.detach().reshape(-1), buffer):
-            return twins(made(), other)
+            return if_twins(made())
         source[id(t)] = y
-        alias = y.detach()
-        memo[id(t)] = nn.Parameter(alias, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else alias
-    return twins(_copied(model, memo, dtype, device), other)
+        if isinstance(t, nn.Parameter):
+            memo[id(t)] = nn.Parameter(y.detach(), requires_grad=t.requires_grad)
+        else:
+            memo[id(t)] = y.detach().clone()
+    return if_twins(_copied(model, memo, dtype, device))
 
 
 def _cast_equal(ours: torch.Tensor, theirs: torch.Tensor, buffer: torch.Tensor) -> bool:
@@ -298,4 +308,4 @@ def floor_backward(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
         yield
 
 
-__all__ = ["cast_copy", "cast_twins", "floor_backward", "twins"]
+__all__ = ["cast_copy", "floor_backward", "twin_copy", "twins"]
