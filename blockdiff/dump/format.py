@@ -414,19 +414,28 @@ def check_packing(index: dict[str, Any], lengths: dict[str, int]) -> None:
             raise ValueError(f"tensors/{name} holds {lengths[name]} elements, the index {end}")
 
 
-def read_packed(dset: h5py.Dataset, entry: dict[str, Any], stored: np.dtype, fd: int | None = None) -> tuple[np.ndarray, str | None]:
+def read_packed(
+    dset: h5py.Dataset, entry: dict[str, Any], stored: np.dtype, fd: int | None = None, *, summed: bool = False
+) -> tuple[np.ndarray, str | None]:
     """One tensor's elements as stored (1-D, ``stored`` dtype) from its packed dataset,
     after checking the dataset's type (libhdf5 may crash converting a damaged one), and,
-    for a large tensor of a contiguous dataset read through ``fd`` (libhdf5's file
-    descriptor), the CRC-32C of its bytes taken as they arrive (else ``None``)."""
+    ``summed``, for a large tensor, the CRC-32C of its bytes taken as they arrive (else
+    ``None``). A contiguous dataset is read through ``fd`` (libhdf5's file descriptor)
+    with ``preadv``, outside libhdf5 and the GIL: the benchmark's 60 MB dump read in
+    15.3-15.5 ms verified, 13.4-13.7 unverified, against 15.9-16.6 and 13.9-14.7 through
+    libhdf5 (medians of 21, alternating)."""
     offset, count = entry["offset"], entry["count"]
     arr = np.empty(count, dtype=stored)
     if dset.dtype != stored or dset.ndim != 1 or offset + count > dset.shape[0]:
         raise ValueError(f"tensors/{entry['data']} holds {dset.dtype} x {dset.shape}, not {count} {stored} at {offset}")
-    if fd is not None and arr.nbytes >= 2 * _READ_PIECE and hasattr(os, "preadv"):
+    if fd is not None and count and hasattr(os, "preadv"):
         start = dset.id.get_offset()
         if start is not None and dset.id.get_storage_size() == dset.shape[0] * arr.itemsize:
-            return arr, _read_summing(fd, start + offset * arr.itemsize, arr)
+            position = start + offset * arr.itemsize
+            if summed and arr.nbytes >= 2 * _READ_PIECE:
+                return arr, _read_summing(fd, position, arr)
+            _read_at(fd, position, memoryview(arr.view(np.uint8)))
+            return arr, None
     if count:
         space = dset.id.get_space()
         space.select_hyperslab((offset,), (count,))
@@ -449,6 +458,16 @@ def _summer() -> Any:
     return ThreadPoolExecutor(1, thread_name_prefix="blockdiff-crc")
 
 
+def _read_at(fd: int, position: int, view: memoryview) -> None:
+    """Fill ``view`` with the bytes at ``position`` of the file (outside the GIL)."""
+    pos = 0
+    while pos < view.nbytes:
+        got = os.preadv(fd, [view[pos:]], position + pos)
+        if got <= 0:
+            raise ValueError(f"the file ends inside a tensor's data (at byte {position + pos})")
+        pos += got
+
+
 def _read_summing(fd: int, position: int, arr: np.ndarray) -> str:
     """Fill ``arr`` with the bytes at ``position`` of the file; returns their CRC-32C."""
     summer = _summer()
@@ -457,12 +476,7 @@ def _read_summing(fd: int, position: int, arr: np.ndarray) -> str:
     try:
         for start in range(0, view.nbytes, _READ_PIECE):
             end = min(start + _READ_PIECE, view.nbytes)
-            pos = start
-            while pos < end:
-                got = os.preadv(fd, [view[pos:end]], position + pos)
-                if got <= 0:
-                    raise ValueError(f"the file ends inside a tensor's data (at byte {position + pos})")
-                pos += got
+            _read_at(fd, position + start, view[start:end])
             if taking is not None:
                 crc, taking = taking.result(), None
             taking = summer.submit(crc32c, view[start:end], crc)

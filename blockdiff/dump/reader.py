@@ -608,7 +608,7 @@ class DumpReader:
         shape = _shape(entry.get("shape"))
         if math.prod(shape) != entry["count"]:
             raise ValueError(f"tensor {ref}: shape {shape} does not hold {entry['count']} elements")
-        arr, crc = read_packed(self._data[entry["data"]], entry, _stored_as(dtype), self._fd if verify else None)
+        arr, crc = read_packed(self._data[entry["data"]], entry, _stored_as(dtype), self._fd, summed=verify)
         if verify:
             _verified(arr, entry, ref, crc)
         return _as_tensor(arr, dtype, shape)
