@@ -49,7 +49,6 @@ import copy
 import gc
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -262,13 +261,14 @@ def throughput(arrays: list[np.ndarray], folder: Path) -> dict[str, float]:
         for path in (raw, plain, dump):
             path.unlink(missing_ok=True)
 
-    # 21 rounds: with 7, tofile's median alone moved figure 3 by 0.1 from run to run; each
-    # round in its own order (the same in every run): how long a write takes here depends on
-    # the write before it, and in one fixed order tofile always came after a whole write and
-    # the dump after h5py's (docs/performance.md).
-    order = random.Random(0)
-    for _ in range(21):
-        for name in order.sample(list(writers), len(writers)):
+    # 36 rounds: with 7, tofile's median alone moved figure 3 by 0.1 from run to run; each
+    # round in its own order, every writer after every other one equally often
+    # (balanced_orders): how long a write takes here depends on the write before it — in one
+    # fixed order tofile always came after a whole write and the dump after h5py's, in 21
+    # seeded random orders the dump came after the durable writers 8 times of 21 and never
+    # after h5py's direct chunks, tofile after those 5 times (docs/performance.md).
+    for order in balanced_orders(list(writers), copies=2):
+        for name in order:
             fn = writers[name]
             fresh()
             gc.collect()
@@ -300,6 +300,20 @@ def throughput(arrays: list[np.ndarray], folder: Path) -> dict[str, float]:
     out["checksums read on/off"] = statistics.median(ratios["read"])
     beside.shutdown()
     return out
+
+
+def balanced_orders(names: list[str], *, copies: int = 1) -> list[list[str]]:
+    """Orders of ``names`` (a Williams design, ``copies`` times over) in which each name
+    comes right after each other name equally often (twice per copy for an odd number of
+    names, once for an even one), and first in a round equally often."""
+    n = len(names)
+    first = [0]
+    for k in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    rows = [[(i + j) % n for j in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[names[i] for i in row] for _ in range(copies) for row in rows]
 
 
 def dump_arrays(model, ids) -> list[np.ndarray]:
@@ -744,7 +758,7 @@ def executions(quick: bool) -> None:
     """Figures 7 and 8, the decode and backward diffs, by their own benchmarks (each in a
     process of its own, so that neither's memory or threads weigh on the other), each as
     it runs alone: after the disk's backlog of the figures before is written (the
-    gigabytes figure 3 writes), figure 8 the best of its default 5 runs (of 3, its
+    13 GB figure 3 writes), figure 8 the best of its default 5 runs (of 3, its
     other classes read 3.74-4.01 in full runs where alone they read 3.40-3.73)."""
     here = Path(__file__).resolve().parent
     for figure, script, args in (("7. decode", "decode.py", []), ("8. backward", "backward.py", [])):
