@@ -181,6 +181,36 @@ def test_structures_and_plain_values_survive(tmp_path):
     assert out[1][3] == [None, {"deep": (1, "two")}]
 
 
+def test_subclasses_of_plain_types_are_stored_as_their_base_type(tmp_path):
+    # The writer encodes the plain types by their exact type first; their subclasses take
+    # the general checks and must come back as before.
+    import enum
+
+    class Flag(enum.IntEnum):
+        ON = 1
+
+    class Name(str):
+        pass
+
+    class Options(dict):
+        pass
+
+    weight = torch.nn.Parameter(torch.randn(3))
+    grad = torch.randn(2, 2, requires_grad=True) * 2  # not a leaf: recorded as its values
+    args = (Flag.ON, Name("x"), Options(a=1), weight, grad, [True, 0])
+    path = _write(tmp_path / "d.h5", [_site(args=args, output=weight)])
+    with DumpReader(path) as dump:
+        a = dump.sites()[0].args
+        out = dump.sites()[0].output
+    assert type(a[0]) is int and a[0] == 1
+    assert type(a[1]) is str and a[1] == "x"
+    assert type(a[2]) is dict and a[2] == {"a": 1}
+    _assert_same_tensor(a[3], weight.detach())
+    _assert_same_tensor(out, weight.detach())
+    _assert_same_tensor(a[4], grad.detach())
+    assert a[5] == [True, 0] and type(a[5][0]) is bool and type(a[5][1]) is int
+
+
 def test_unknown_objects_are_stored_as_opaque(tmp_path):
     class Cache:
         pass

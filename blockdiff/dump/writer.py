@@ -26,7 +26,7 @@ import torch
 
 from ..dtypes import dtype_name
 from ..errors import DumpError, TensorChanged
-from ..site import Opaque, Site
+from ..site import Opaque, Site, describe_key
 from .format import DECODE_SCHEMA, FORWARD_SCHEMA, NUMPY_NATIVE, RAW_BITS, STANDARD_ATTRIBUTES, encode_meta
 from .packing import (
     COMPRESSIONS,
@@ -69,17 +69,31 @@ class _Pending(StoredTensor):
     __slots__ = ("holder", "version", "site")
 
     def __init__(
-        self, flat: np.ndarray, dtype: str, shape: list[int], holder: torch.Tensor | None, version: int | None, site: str
+        self, flat: np.ndarray, dtype: str, shape: list[int], holder: torch.Tensor | None, version: int | None,
+        site: "str | _SiteName",
     ) -> None:
         super().__init__(flat, dtype, shape)
         self.holder, self.version, self.site = holder, version, site
+
+
+class _SiteName:
+    """How the writer's messages name a site: ``sites[3] (block 0 ffn (model.layers.0.mlp))``,
+    made only when a message shows it (every tensor handed over carries one)."""
+
+    __slots__ = ("index", "key", "module")
+
+    def __init__(self, index: int, site: Site) -> None:
+        self.index, self.key, self.module = index, (site.stage, site.block, site.subpath, site.ordinal), site.module
+
+    def __str__(self) -> str:
+        return f"sites[{self.index}] ({describe_key(self.key)} ({self.module}))"
 
 
 class _Encoder:
     """Encodes one structure into JSON nodes; its tensors become entries of the index
     (``{"type": "tensor", "ref": N}``, N their position in the index's ``tensors``)."""
 
-    def __init__(self, writer: "DumpWriter", label: str) -> None:
+    def __init__(self, writer: "DumpWriter", label: "str | _SiteName") -> None:
         self.writer = writer
         self.label = label
         # id(tensor) -> ref, so a tensor passed twice is stored once and comes back as one
@@ -90,10 +104,26 @@ class _Encoder:
         self.shared: dict[int, tuple] = {}  # new entries for the writer's table of written tensors
 
     def node(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        # The kinds a forward passes most, by exact type first (a site's structure is
+        # encoded on the caller's thread, beside the writer's: a dump of 54 sites spent
+        # 1.2 ms in them); subclasses (parameters, namedtuples, enums) by the checks below.
+        kind = type(obj)
+        if kind is torch.Tensor:
             return {"type": "tensor", "ref": self.tensor(obj)}
+        if kind is tuple:
+            return {"type": "tuple", "items": [self.node(v) for v in obj]}
         if obj is None:
             return {"type": "none"}
+        if kind is dict:
+            return {"type": "dict", "items": [[self.node(k), self.node(v)] for k, v in obj.items()]}
+        if kind is str:
+            return {"type": "str", "value": obj}
+        if kind is bool:
+            return {"type": "bool", "value": obj}
+        if kind is int:
+            return {"type": "int", "value": obj}
+        if isinstance(obj, torch.Tensor):
+            return {"type": "tensor", "ref": self.tensor(obj)}
         if isinstance(obj, bool):
             return {"type": "bool", "value": obj}
         if isinstance(obj, int):
@@ -141,8 +171,10 @@ class _Encoder:
         if t.layout != torch.strided or t.is_quantized:
             raise DumpError(f"cannot store a {t.layout} / {t.dtype} tensor: only dense tensors are supported")
         original = t
-        t = t.detach()
-        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        on_cpu = t.is_cpu
+        if t.requires_grad:
+            t = t.detach()
+        if not on_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
             t = t.to("cpu").resolve_conj().resolve_neg().contiguous()
         if t.dtype in NUMPY_NATIVE:
             arr = t.numpy()
@@ -155,7 +187,7 @@ class _Encoder:
         ref = len(self.writer._tensors) + len(self.pending)
         # A tensor the model still owns may be written to in place before the thread has
         # copied it: its version counter, checked after the copy, says so.
-        shares = flat.size and t.data_ptr() == original.data_ptr() and original.device.type == "cpu"
+        shares = flat.size and on_cpu and t.data_ptr() == original.data_ptr()
         version = getattr(original, "_version", None) if shares and not original.is_inference() else None
         # Its dataset and offset are given when the tensor is handed to the writer's thread.
         self.pending.append(
@@ -341,8 +373,7 @@ class DumpWriter:
                 f"{self.path}: a site {'without' if step is None else 'with'} a decode step, in a dump "
                 f"{'of decode steps' if self.decode else 'of one forward pass'}", path=str(self.path)
             )
-        label = f"sites[{len(self._sites)}] ({site.label})"
-        enc = _Encoder(self, label)
+        enc = _Encoder(self, _SiteName(len(self._sites), site))
         try:
             structure = {
                 "args": enc.node(tuple(site.args)),
@@ -359,7 +390,11 @@ class DumpWriter:
                 site=site.label,
             ) from exc
         # The index lists sites in the order they were added (calls finishing, when streamed).
-        self._sites.append({**site_record(site), **({} if step is None else {"step": int(step)}), "structure": structure})
+        record = site_record(site)
+        if step is not None:
+            record["step"] = int(step)
+        record["structure"] = structure
+        self._sites.append(record)
         self._commit(enc)
 
     def add_inputs(self, obj: Any) -> None:
@@ -455,7 +490,7 @@ class DumpWriter:
         try:
             self._file.write(name, items)
         except Exception as exc:
-            site = items[0].site
+            site = str(items[0].site)
             raise DumpError(
                 f"{self.path}: cannot write site {site}: {type(exc).__name__}: {one_line(exc)}", path=str(self.path), site=site
             ) from exc
