@@ -48,9 +48,14 @@ def _copies(monkeypatch) -> list[torch.dtype]:
 
 
 def _as_json(report) -> str:
-    found = report.to_dict()
-    found.pop("created", None)  # the time of the run, to the second
-    return json.dumps(found, sort_keys=True, default=str)
+    def timeless(node):  # without the time of the run, to the second (the report's and its parts')
+        if isinstance(node, dict):
+            return {key: timeless(value) for key, value in node.items() if key != "created"}
+        if isinstance(node, list):
+            return [timeless(value) for value in node]
+        return node
+
+    return json.dumps(timeless(report.to_dict()), sort_keys=True, default=str)
 
 
 JUDGED = ("threshold", "floor", "ratio", "budget")  # what a floor decides
