@@ -14,6 +14,7 @@ one :class:`~blockdiff.hooking.Hooks` context and is undone in its ``finally``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
@@ -341,7 +342,7 @@ class LiveSide(SideDefaults):
         backward's floor run of a whole block has its modules probed (whether it is the
         residual's floor too), which a kept graph cannot be; the candidate's whole block
         keeps its graph in :meth:`run_block`."""
-        if self.graphs is not None and self.graphs.open and cache is None and path not in self._block_paths():
+        if self.graphs is not None and self.graphs.open and cache is None and path not in self._block_paths:
             given = call.hidden_inputs() if hidden is None else hidden
             params = [p for p in self.module(path).parameters() if p.is_floating_point()]
             with self._graph(path, call, given, params) as (leaves, out):
@@ -351,8 +352,10 @@ class LiveSide(SideDefaults):
         with _on(cache, self.module(path)):
             return self.runnable(path)(*args, **kwargs)
 
-    def _block_paths(self) -> set[str]:
-        return {block.path for block in self.layout.blocks}
+    @functools.cached_property
+    def _block_paths(self) -> frozenset[str]:
+        """The blocks' own module paths (a side's layout does not change)."""
+        return frozenset(block.path for block in self.layout.blocks)
 
     def child_calls(self, path: str, call: Site, hidden: Hidden | None = None, *, depth: int = 2) -> list[Site]:
         """Module ``path`` run on ``call`` (its activations replaced by ``hidden``), with
