@@ -991,31 +991,46 @@ def test_datasets_are_allocated_at_once(tmp_path, monkeypatch):
         assert other.stat().st_size == len(data) and other.read_bytes()[start:end] == data[start:end]
 
 
-def test_write_calls_are_larger_once_the_dump_is_closing(tmp_path, monkeypatch):
-    # While sites are added (a forward running beside the writes) each write call is 1 MiB
-    # at most; the batches written once close was called, 2 MiB at most (docs/performance.md).
+def test_write_calls_are_2_mib_at_most_and_datasets_are_allocated_where_placed(tmp_path, monkeypatch):
+    # The writer's thread writes in calls of 2 MiB at most; each dataset of 1 MiB or more is
+    # allocated on disk by the caller when it is placed, before any of it is written, and
+    # the thread does not allocate again (docs/performance.md).
+    import threading
+
     import blockdiff.dump.packing as packing
 
-    real, calls = os.pwritev, []
+    real_write, real_allocate, events = os.pwritev, os.posix_fallocate, []
 
     def pwritev(fd, buffers, offset):
-        calls.append(sum(len(b) for b in buffers))
-        return real(fd, buffers, offset)
+        events.append(("write", threading.current_thread().name, offset, sum(len(b) for b in buffers)))
+        return real_write(fd, buffers, offset)
+
+    def posix_fallocate(fd, offset, nbytes):
+        events.append(("allocate", threading.current_thread().name, offset, nbytes))
+        return real_allocate(fd, offset, nbytes)
 
     monkeypatch.setattr(packing.os, "pwritev", pwritev)
+    monkeypatch.setattr(packing.os, "posix_fallocate", posix_fallocate, raising=False)
     g = torch.Generator().manual_seed(7)
-    early = [torch.randn(2**20, generator=g) for _ in range(3)]  # 12 MiB: two batches before close
-    late = [torch.randn(5 * 2**18 + 3, generator=g)]  # 5 MiB and a bit, handed over at close
+    tensors = [torch.randn(2**20, generator=g) for _ in range(3)] + [torch.randn(5 * 2**18 + 3, generator=g), torch.ones(5)]
     path = tmp_path / "d.h5"
     with DumpWriter(path, meta=META) as writer:
-        for i, t in enumerate(early):
+        for i, t in enumerate(tensors):
             writer.add(_site(block=i, module=f"m{i}", output=t))
-        writer._worker.submit(int).result()  # what was handed over is written
-        before = len(calls)
-        writer.add(_site(block=3, module="m3", output=late[0]))
-    assert sum(calls[:before]) == 12 * 2**20 and max(calls[:before]) == 2**20
-    assert calls[before:] == [2 * 2**20, 2 * 2**20, 2**20 + 12]
-    _check_round_trip(path, early + late)
+    _check_round_trip(path, tensors)
+    writes = [e for e in events if e[0] == "write"]
+    assert {name for _, name, _, _ in writes} == {"blockdiff-dump_0"}
+    assert max(size for *_, size in writes) == 2 * 2**20
+    assert sum(size for *_, size in writes) == sum(t.numel() * 4 for t in tensors)
+    with h5py.File(path, "r") as f:
+        datasets = sorted((d.id.get_offset(), d.id.get_storage_size()) for d in f["tensors"].values())
+    allocated = [(offset, nbytes) for kind, name, offset, nbytes in events if kind == "allocate"]
+    if hasattr(os, "posix_fallocate"):
+        assert allocated == [(o, n) for o, n in datasets if n >= 2**20]
+        assert {name for kind, name, *_ in events if kind == "allocate"} == {threading.main_thread().name}
+        for offset, nbytes in allocated:  # allocated before its first write
+            first_write = next(i for i, e in enumerate(events) if e[0] == "write" and offset <= e[2] < offset + nbytes)
+            assert events.index(("allocate", threading.main_thread().name, offset, nbytes)) < first_write
 
 
 @pytest.mark.parametrize("compress", [None, "lzf"])

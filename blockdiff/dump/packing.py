@@ -175,9 +175,6 @@ class PackedFile:
         # the file as :meth:`prepare` encoded it, ``(index, RawFile.encode_end(...))``.
         self._offsets: dict[str, int] = {}
         self._prepared: tuple[bytes, tuple[bytes, bytes]] | None = None
-        # Set by the writer when it is closing (nothing runs beside its writes but the
-        # checksums): larger write calls from then on.
-        self.finishing = False
         attributes = file_attributes(torch_version, schema)
         # Written without libhdf5: the file attributes, kept until the end.
         self._raw: hdf5.RawFile | None = None
@@ -269,7 +266,12 @@ class PackedFile:
             self._prepared = None  # what :meth:`prepare` encoded holds the datasets before
             if self._raw is not None:  # its place in the file, here (not where it is written)
                 dtype = items[0].flat.dtype
-                self._offsets[name] = self._raw.place(name, dtype, offset)
+                self._offsets[name] = start = self._raw.place(name, dtype, offset)
+                nbytes = offset * np.dtype(dtype).itemsize
+                if nbytes >= _ALLOCATE_BYTES:
+                    # Its disk blocks too: the thread that writes goes back to Python (and
+                    # waits for the interpreter) once less per batch.
+                    _allocate(self._raw.fd, start, nbytes)
                 self._links[f"tensors/{name}"] = Link("dataset", {}, np.dtype(dtype).str, (offset,))
             out.append((name, items))
         return out
@@ -279,8 +281,7 @@ class PackedFile:
         self._check_open()
         dtype, arrays = tensors[0].flat.dtype, [t.flat for t in tensors]
         if self._raw is not None:
-            per_call = _FINISHING_WRITE_BYTES if self.finishing else _WRITE_BYTES
-            _write_at(self._raw.fd, self._offsets.pop(name), arrays, per_call)
+            _write_at(self._raw.fd, self._offsets.pop(name), arrays, allocated=True)
         elif self._contiguous is not None:
             self._links[f"tensors/{name}"] = self._contiguous.write(name, dtype, arrays)
         else:
@@ -441,7 +442,11 @@ def written_raw(compress: str | None, attributes: Any) -> bool:
         return False
     try:
         for key, value in attributes:
-            hdf5.attribute(key, value)
+            # Numbers (8 bytes), and strings short enough at 4 bytes a character, fit:
+            # only long ones are encoded to know (a dump is made on the caller's time).
+            size = len(value) if type(value) is str else 2 if type(value) in (bool, int, float) else None
+            if size is None or 4 * (len(key) + size) > hdf5.MESSAGE_MAX - 64:
+                hdf5.attribute(key, value)
     except hdf5.TooLarge:
         return False
     return True
@@ -629,13 +634,12 @@ _IOV_MAX = 1024  # buffers per pwritev (POSIX guarantees at least 16; Linux and 
 # 6.18 machine in figure 2's loop, 29 of 93 calls of 8 MiB took 1.4-2.0 ms of the
 # kernel's CPU time per MiB (0.26 ms the others; with 4 MiB calls some closes took 55 ms
 # instead of 15); no call of 1 or 2 MiB did (0 of 1,853; at most 0.46 ms per MiB).
-_WRITE_BYTES = 1 << 20
-# ... once the dump is finishing (:attr:`PackedFile.finishing`: no forward beside the
-# writes any more, the caller taking checksums outside the GIL): each call returns to
-# Python, and waits for the GIL, half as often. Figure 3 0.847 against 0.805 (41 pairs),
-# figure 2 1.166 against 1.213 (14); 2 MiB calls while the forward runs made figure 2
-# 1.283.
-_FINISHING_WRITE_BYTES = 2 << 20
+# 2 MiB against 1 MiB, in one process (docs/performance.md): figure 3 0.949 against 0.907
+# and 0.978 against 0.948 (40 rounds each), figure 2 1.182 against 1.192 and 1.197
+# against 1.178 (16 pairs each); a writer's thread alone writes 60 MB in 10.0 ms in 2 MiB
+# calls, 10.7 in 1 MiB ones (4 and 8 MiB: 9.8 and 10.0, but the slowest tenth 14.6 and
+# 56 ms, at most 230 and 213).
+_WRITE_BYTES = 2 << 20
 
 
 # Datasets are allocated on disk before they are written from this size on (not below: a
@@ -643,12 +647,13 @@ _FINISHING_WRITE_BYTES = 2 << 20
 _ALLOCATE_BYTES = 1 << 20
 
 
-def _write_at(fd: int, offset: int, arrays: list[np.ndarray], per_call: int = _WRITE_BYTES) -> None:
+def _write_at(fd: int, offset: int, arrays: list[np.ndarray], per_call: int = _WRITE_BYTES, *, allocated: bool = False) -> None:
     """``arrays``' bytes one after the other at ``offset`` of the file, ``per_call`` bytes
-    at most per call (allocated first when they are 1 MiB or more, :func:`_allocate`)."""
+    at most per call (allocated first when they are 1 MiB or more, :func:`_allocate`,
+    unless ``allocated``: that was done when they were placed)."""
     views = [memoryview(a).cast("B") for a in arrays if a.size]
     nbytes = sum(len(v) for v in views)
-    if nbytes >= _ALLOCATE_BYTES:
+    if nbytes >= _ALLOCATE_BYTES and not allocated:
         _allocate(fd, offset, nbytes)
     _pwrite_all(fd, views, offset, per_call)
 

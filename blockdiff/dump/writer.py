@@ -34,7 +34,6 @@ from .packing import (
     StoredTensor,
     elements,
     encode_index,
-    folder_problem,
     one_line,
     site_record,
     temporary_path,
@@ -316,7 +315,6 @@ class DumpWriter:
         encoded_meta = self._check_meta()
         self.compress = compress
         self.checksums = checksums
-        self.tmp_path = temporary_path(self.path)
         # The index, built as sites arrive: tensor entries and site records.
         self._tensors: list[dict[str, Any]] = []
         self._sites: list[dict[str, Any]] = []
@@ -338,10 +336,9 @@ class DumpWriter:
         # Every libhdf5 call of this writer runs on one thread of its own: glibc gives that
         # thread its own heap, so libhdf5's long-lived small allocations do not pin the heap
         # between the model's freed activations (they did, and a streamed capture's resident
-        # size grew by ~12 MiB per block); and the forward does not wait for them.
-        problem = folder_problem(self.path.parent)
-        if problem is not None:
-            raise DumpError(f"{self.path}: cannot create the dump: {problem}", path=str(self.path))
+        # size grew by ~12 MiB per block); and the forward does not wait for them. A folder
+        # that is not there or not writable fails as the file is made (:class:`PackedFile`
+        # says which).
         self._worker: ThreadPoolExecutor | None = _take_thread()
         if written_raw(compress, ((key, value) for key, value, _ in encoded_meta)):
             self._create(encoded_meta)  # no libhdf5 in it: here, without waiting for the thread
@@ -353,6 +350,11 @@ class DumpWriter:
         if self._failed is not None:
             self._stop_worker()
             self._raise_failure()
+
+    @property
+    def tmp_path(self) -> Path:
+        """Where the dump is written until it is complete (``.NAME.tmp-PID`` beside ``path``)."""
+        return temporary_path(self.path)
 
     def _on_worker(self, fn: Callable, *args: Any) -> Any:
         """Run ``fn`` on the writer's thread after everything handed to it, and wait."""
@@ -531,7 +533,6 @@ class DumpWriter:
         """Finish the dump: the index, metadata digest, ``complete`` last, atomic rename."""
         try:
             if self._worker is not None and self._failed is None:
-                self._file.finishing = True  # the batches written from now on: larger calls
                 self._hand_over()
         except BaseException as exc:  # finished below: the dump is removed, this raised
             self._failed = self._failed or exc
