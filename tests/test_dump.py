@@ -1290,6 +1290,31 @@ def test_an_attribute_too_large_for_a_message_is_written_by_libhdf5(tmp_path, mo
             assert len(hdf5.attribute(name, value)[0]) < 2**16
 
 
+def _read_sums(path: Path, out: Path) -> None:
+    # numpy only: torch's OpenMP threads are not usable in a forked child either.
+    with DumpReader(path) as r:
+        out.write_text(repr([float(s.output.numpy().astype(np.float64).sum()) for s in r.iter_sites()]))
+
+
+def test_the_readers_checksum_thread_is_not_taken_across_fork(tmp_path):
+    # A large tensor read verified has its pieces summed on a thread of the reader's; a
+    # forked child does not have its parent's (it hung there until 2026-12-04): it makes its own.
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    big = torch.randn(3 * 2**20, generator=torch.Generator().manual_seed(3))  # 12 MiB: read in pieces
+    path = _write(tmp_path / "d.h5", [_site(output=big)])
+    _read_sums(path, tmp_path / "parent.txt")  # the parent's thread is made
+    child = multiprocessing.get_context("fork").Process(target=_read_sums, args=(path, tmp_path / "child.txt"))
+    child.start()
+    child.join(60)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0
+    assert (tmp_path / "child.txt").read_text() == (tmp_path / "parent.txt").read_text()
+
+
 def test_writer_threads_are_kept_between_dumps_and_not_across_fork(tmp_path):
     import multiprocessing
 

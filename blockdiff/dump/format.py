@@ -450,12 +450,18 @@ def read_packed(
 _READ_PIECE = 4 << 20
 
 
-@functools.lru_cache(maxsize=None)
+# (process id, the executor): a forked child does not have its parent's thread (an
+# executor taken across fork never ran what it was handed: the read hung), it makes its own.
+_SUMMER: list[tuple[int, Any]] = []
+
+
 def _summer() -> Any:
-    """The thread that takes the pieces' checksums, made at first use."""
+    """The thread that takes the pieces' checksums, made at first use in each process."""
     from concurrent.futures import ThreadPoolExecutor
 
-    return ThreadPoolExecutor(1, thread_name_prefix="blockdiff-crc")
+    if not _SUMMER or _SUMMER[0][0] != os.getpid():
+        _SUMMER[:] = [(os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="blockdiff-crc"))]
+    return _SUMMER[0][1]
 
 
 def _read_at(fd: int, position: int, view: memoryview) -> None:
@@ -470,7 +476,7 @@ def _read_at(fd: int, position: int, view: memoryview) -> None:
 
 def _read_summing(fd: int, position: int, arr: np.ndarray) -> str:
     """Fill ``arr`` with the bytes at ``position`` of the file; returns their CRC-32C."""
-    summer = _summer()
+    thread = _summer()
     view = memoryview(arr.view(np.uint8))
     crc, taking = 0, None
     try:
@@ -479,7 +485,7 @@ def _read_summing(fd: int, position: int, arr: np.ndarray) -> str:
             _read_at(fd, position + start, view[start:end])
             if taking is not None:
                 crc, taking = taking.result(), None
-            taking = summer.submit(crc32c, view[start:end], crc)
+            taking = thread.submit(crc32c, view[start:end], crc)
         crc, taking = taking.result(), None
     finally:
         if taking is not None:  # a read failed: the other thread must be done with arr first
