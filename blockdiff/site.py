@@ -115,7 +115,7 @@ class Site:
     @property
     def label(self) -> str:
         """Human-readable site name: ``block 2 attention (model.layers.2.self_attn)``."""
-        return f"{describe_key(self.key)} ({self.module})"
+        return describe_site(self.key, self.module)
 
     def hidden_input(self) -> torch.Tensor | None:
         """The tensor this call received as its hidden state (see :func:`hidden_location`)."""
@@ -142,6 +142,11 @@ class SiteKey(NamedTuple):
     def of_block(cls, index: int) -> "SiteKey":
         """The key of block ``index``'s own call."""
         return cls("block", index, None, 0)
+
+
+def describe_site(key: tuple, module: str) -> str:
+    """A site's name from its key and module: ``block 2 attention (model.layers.2.self_attn)``."""
+    return f"{describe_key(key)} ({module})"
 
 
 def describe_key(key: tuple) -> str:

@@ -267,11 +267,9 @@ class PackedFile:
             if self._raw is not None:  # its place in the file, here (not where it is written)
                 dtype = items[0].flat.dtype
                 self._offsets[name] = start = self._raw.place(name, dtype, offset)
-                nbytes = offset * np.dtype(dtype).itemsize
-                if nbytes >= _ALLOCATE_BYTES:
-                    # Its disk blocks too: the thread that writes goes back to Python (and
-                    # waits for the interpreter) once less per batch.
-                    _allocate(self._raw.fd, start, nbytes)
+                # Its disk blocks too, here: the thread that writes goes back to Python (and
+                # waits for the interpreter) once less per batch.
+                _allocate(self._raw.fd, start, offset * np.dtype(dtype).itemsize)
                 self._links[f"tensors/{name}"] = Link("dataset", {}, np.dtype(dtype).str, (offset,))
             out.append((name, items))
         return out
@@ -281,7 +279,7 @@ class PackedFile:
         self._check_open()
         dtype, arrays = tensors[0].flat.dtype, [t.flat for t in tensors]
         if self._raw is not None:
-            _write_at(self._raw.fd, self._offsets.pop(name), arrays, allocated=True)
+            _write_at(self._raw.fd, self._offsets.pop(name), arrays)  # allocated by :meth:`place`
         elif self._contiguous is not None:
             self._links[f"tensors/{name}"] = self._contiguous.write(name, dtype, arrays)
         else:
@@ -616,6 +614,7 @@ class _Contiguous:
         dset = h5py.h5d.create(self.group.id, name.encode(), h5py.h5t.py_create(dtype, logical=1), space, dcpl=self.dcpl)
         offset = dset.get_offset() if count else None
         if offset is not None and self.fd is not None:
+            _allocate(self.fd, offset, count * np.dtype(dtype).itemsize)
             _write_at(self.fd, offset, arrays)
         elif count:
             start = 0
@@ -647,15 +646,10 @@ _WRITE_BYTES = 2 << 20
 _ALLOCATE_BYTES = 1 << 20
 
 
-def _write_at(fd: int, offset: int, arrays: list[np.ndarray], per_call: int = _WRITE_BYTES, *, allocated: bool = False) -> None:
+def _write_at(fd: int, offset: int, arrays: list[np.ndarray], per_call: int = _WRITE_BYTES) -> None:
     """``arrays``' bytes one after the other at ``offset`` of the file, ``per_call`` bytes
-    at most per call (allocated first when they are 1 MiB or more, :func:`_allocate`,
-    unless ``allocated``: that was done when they were placed)."""
-    views = [memoryview(a).cast("B") for a in arrays if a.size]
-    nbytes = sum(len(v) for v in views)
-    if nbytes >= _ALLOCATE_BYTES and not allocated:
-        _allocate(fd, offset, nbytes)
-    _pwrite_all(fd, views, offset, per_call)
+    at most per call (their disk blocks allocated by the caller: :func:`_allocate`)."""
+    _pwrite_all(fd, [memoryview(a).cast("B") for a in arrays if a.size], offset, per_call)
 
 
 def _allocate(fd: int, offset: int, nbytes: int) -> None:
@@ -669,9 +663,9 @@ def _allocate(fd: int, offset: int, nbytes: int) -> None:
     is what it would be anyway. Where the platform has no ``posix_fallocate`` (macOS) or the
     filesystem refuses, nothing is allocated and the writes allocate the blocks as they go;
     where the filesystem cannot allocate without writing, glibc writes one byte per block
-    instead.
+    instead. Below :data:`_ALLOCATE_BYTES` nothing is done.
     """
-    if not hasattr(os, "posix_fallocate"):
+    if nbytes < _ALLOCATE_BYTES or not hasattr(os, "posix_fallocate"):
         return
     try:
         os.posix_fallocate(fd, offset, nbytes)

@@ -26,7 +26,7 @@ import torch
 
 from ..dtypes import dtype_name
 from ..errors import DumpError, TensorChanged
-from ..site import Opaque, Site, describe_key
+from ..site import Opaque, Site, describe_site
 from .format import DECODE_SCHEMA, FORWARD_SCHEMA, NUMPY_NATIVE, RAW_BITS, STANDARD_ATTRIBUTES, encode_meta
 from .packing import (
     COMPRESSIONS,
@@ -82,10 +82,11 @@ class _SiteName:
     __slots__ = ("index", "key", "module")
 
     def __init__(self, index: int, site: Site) -> None:
-        self.index, self.key, self.module = index, (site.stage, site.block, site.subpath, site.ordinal), site.module
+        # Not the site itself: that would keep all its tensors alive until the last is written.
+        self.index, self.key, self.module = index, site.key, site.module
 
     def __str__(self) -> str:
-        return f"sites[{self.index}] ({describe_key(self.key)} ({self.module}))"
+        return f"sites[{self.index}] ({describe_site(self.key, self.module)})"
 
 
 class _Encoder:
@@ -193,19 +194,20 @@ _str = _leaf("str", str)
 _dtype = _leaf("dtype", dtype_name)
 _device = _leaf("device", str)
 _opaque = _leaf("opaque", lambda obj: obj.type_name)
-_BY_TYPE: dict[type, Callable[[_Encoder, Any], Any]] = {
-    torch.Tensor: _Encoder._tensor, type(None): _none, tuple: _Encoder._tuple, dict: _Encoder._dict, bool: _bool,
-    int: _int, float: _float, str: _str, list: _Encoder._list, torch.dtype: _dtype, torch.device: _device, Opaque: _opaque,
-}
+# The kinds in the order an object is matched against them (a bool is an int; an object
+# that is none of them may still act as a dict, :func:`_kind`).
+_KINDS: tuple[tuple[type, Callable[[_Encoder, Any], Any]], ...] = (
+    (torch.Tensor, _Encoder._tensor), (int, _int), (float, _float), (str, _str), (torch.dtype, _dtype),
+    (torch.device, _device), (Opaque, _opaque), (tuple, _Encoder._tuple), (list, _Encoder._list), (dict, _Encoder._dict),
+)
+# By exact type, first: the kinds themselves, None and bool.
+_BY_TYPE: dict[type, Callable[[_Encoder, Any], Any]] = {type(None): _none, bool: _bool, **dict(_KINDS)}
 
 
 def _kind(obj: Any) -> Callable[[_Encoder, Any], Any]:
     """How :meth:`_Encoder.node` encodes an object whose exact type is not in
-    :data:`_BY_TYPE`: by the first kind it is, in this order."""
-    for kind, encode in (
-        (torch.Tensor, _Encoder._tensor), (int, _int), (float, _float), (str, _str), (torch.dtype, _dtype),
-        (torch.device, _device), (Opaque, _opaque), (tuple, _Encoder._tuple), (list, _Encoder._list), (dict, _Encoder._dict),
-    ):
+    :data:`_BY_TYPE`: by the first of :data:`_KINDS` it is."""
+    for kind, encode in _KINDS:
         if isinstance(obj, kind):
             return encode
     if hasattr(obj, "to_tuple") and hasattr(obj, "keys"):

@@ -87,7 +87,7 @@ class ShardedSide(LiveSide):
             result.status = "checked"
         judging.notes.insert(
             0,
-            f"{describe_key(site.key)} ({site.module}): {message}; every rank holds this tensor whole and should "
+            f"{site.label}: {message}; every rank holds this tensor whole and should "
             "compute the same bits: blamed where the replicas first differ (later collectives mix the difference "
             "into every rank)",
         )
