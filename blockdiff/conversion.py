@@ -68,7 +68,9 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.equal(a.float(), b.float()))
+    """Equal shapes and values, wherever each is (a CUDA candidate's weight against a CPU
+    reference's: compared on ``a``'s device)."""
+    return a.shape == b.shape and bool(torch.equal(a.float(), b.to(a.device).float()))
 
 
 def explain(got: torch.Tensor, expected: torch.Tensor, others: dict[str, torch.Tensor]) -> str | None:

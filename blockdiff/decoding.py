@@ -463,7 +463,7 @@ def attention_layers(ref: Side, cand: Side) -> list[tuple[int, str, str, int]]:
 
 def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None:
     """The first step whose greedy tokens differ on some row, or ``None``."""
-    return next((step for step, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)), None)
+    return next((step for step, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y.to(x.device))), None)
 
 
 __all__ = [
