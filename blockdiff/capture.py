@@ -126,16 +126,13 @@ class DeviceCopies:
     its site is written) holds at most that many buffers besides (a store in memory keeps
     every one: they are its record). Copies
     land in the order they were queued (one stream), so waiting for one waits for every
-    copy queued before it. The source tensor is held until its copy has landed, so the
-    caching allocator does not hand its memory to the forward before the copy has read it;
-    at most ``limit`` sources are held so. ``record_stream`` did the same through the
-    allocator's own events until 2026-12-04: on an H200 a capture of a 1B model took 49 ms
-    with it and 35 ms with the same copies without it (docs/performance.md, *The GPU
-    check*).
+    copy queued before it. The source tensor is marked used on the side stream
+    (``record_stream``), so the caching allocator does not hand its memory to the forward
+    before the copy has read it.
 
     A tensor not on a CUDA device is copied as before (:func:`~blockdiff.site.recorded_copy`).
-    The bounding and ordering logic is tested on the CPU with a stand-in for the stream
-    (``events``); the copies themselves by ``benchmarks/device_check.py`` on a GPU.
+    Not verified on a GPU: the machines this was written on have none; the bounding and
+    ordering logic is tested on the CPU with a stand-in for the stream (``events``).
 
     Args:
         limit: copies in flight at most.
@@ -147,8 +144,7 @@ class DeviceCopies:
         self.limit = limit
         self._events = events
         self._streams: dict[torch.device, Any] = {}
-        # (event, id of its host tensor, the source tensor held until then), oldest first
-        self._in_flight: deque[tuple[Any, int, torch.Tensor]] = deque()
+        self._in_flight: deque[tuple[Any, int]] = deque()  # (event, id of its host tensor), oldest first
         self._pending: set[int] = set()  # ids of host tensors whose copy may not have landed
 
     def handles(self, t: torch.Tensor) -> bool:
@@ -160,7 +156,7 @@ class DeviceCopies:
         if not self.handles(t):
             return recorded_copy(t)
         host, event = (self._events or self._queue)(t)
-        self._in_flight.append((event, id(host), t))
+        self._in_flight.append((event, id(host)))
         self._pending.add(id(host))
         while len(self._in_flight) > self.limit:
             self._land_oldest()
@@ -174,12 +170,13 @@ class DeviceCopies:
         stream.wait_stream(torch.cuda.current_stream(t.device))  # after the work that made t
         with torch.cuda.stream(stream):
             host.copy_(t, non_blocking=True)
+            t.record_stream(stream)
             event = torch.cuda.Event()
             event.record(stream)
         return host, event
 
     def _land_oldest(self) -> None:
-        event, host, _ = self._in_flight.popleft()  # the source is let go once its copy landed
+        event, host = self._in_flight.popleft()
         event.synchronize()
         self._pending.discard(host)
 
@@ -188,7 +185,7 @@ class DeviceCopies:
         before them: they land in order)."""
         wanted = {id(t) for t in tensors} & self._pending
         while wanted and self._in_flight:
-            host = self._in_flight[0][1]
+            _, host = self._in_flight[0]
             self._land_oldest()
             wanted.discard(host)
 
