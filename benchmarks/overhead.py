@@ -112,12 +112,13 @@ def interleaved(base, fn, repeat: int, *, after=None) -> dict[str, float | str]:
     """``fn``'s cost over ``base``'s, each run of ``fn`` between two of ``base`` and over
     their mean, so that both see the same load (a drift during the triple cancels): the
     median ratio, in wall time and in this process's CPU time (which other processes on
-    the machine disturb less), with the range of the pairs. Until 2026-12-04 each run was
-    taken over the faster of its two neighbours, which reads above 1 with no overhead at
-    all (the lower of two draws against one draw: a plain forward against plain forwards
-    read 1.006-1.053 that way, 0.997-1.000 over the mean); that reading is kept beside
-    (``wall, faster``), so the runs before stay comparable. ``after``: run after each pair,
-    outside the timing."""
+    the machine disturb less), with the range of the pairs. Until 13:20 on 2026-12-04 each
+    run was taken over the faster of its two neighbours, which reads above 1 on average
+    with no overhead at all (the lower of two draws against one draw: a plain forward
+    against plain forwards read a median 1.028 that way in that day's 18 full runs, and
+    0.997-1.000 over the mean in one process); that reading is kept beside (``wall,
+    faster``), so the runs before stay comparable. ``after``: run after each pair, outside
+    the timing."""
     base(), fn()
     if after is not None:
         after()
@@ -562,7 +563,7 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
 
 # Pairs of figures 1 and 2 (each capture between two forwards): the median of 5 moved by
 # ±0.05 from run to run here, where the figures' goals are 0.08 and 0.25 over a forward
-# (11 from 2026-12-04 05:00, 15 from 13:30).
+# (11 from 2026-12-04 05:00, 15 from 13:20).
 PAIRS = 15
 DEVICE = [torch.device("cpu")]  # --device
 ONLY: list[int | None] = [None]  # --only

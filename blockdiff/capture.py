@@ -131,8 +131,9 @@ class DeviceCopies:
     before the copy has read it.
 
     A tensor not on a CUDA device is copied as before (:func:`~blockdiff.site.recorded_copy`).
-    Not verified on a GPU: the machines this was written on have none; the bounding and
-    ordering logic is tested on the CPU with a stand-in for the stream (``events``).
+    The bounding and ordering logic is tested on the CPU with a stand-in for the stream
+    (``events``); the copies ran on an H200 in ``benchmarks/device_check.py``
+    (docs/performance.md, *The GPU check*).
 
     Args:
         limit: copies in flight at most.
