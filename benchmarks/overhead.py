@@ -463,18 +463,23 @@ REAL_SIZE = dict(hidden=1536, intermediate=4096, vocab=32000, heads=12, kv_heads
 def real_size(seq: int, *, repeat: int = 5) -> str:
     """Figures 1, 4 and 5 on a model of ~0.5B parameters, built once: the candidate is a
     copy of the reference (what a second build gives, bit for bit), cast to bfloat16 for
-    figure 5; the building's time is printed apart. Five pairs each: with two, figure 1
-    read 1.20 in one run where five pairs in the same hour gave 1.03 (a forward here
-    swings by 20% from one to the next)."""
+    figure 5; the building's time is printed apart. Five pairs each, eleven for figure 1
+    since 2026-12-04 14:20: with two, figure 1 read 1.20 in one run where five pairs in
+    the same hour gave 1.03 (a forward here swings by 20% from one to the next), and with
+    five its pairs spread 0.96-1.17 in a run that read 1.089. Figure 1 is measured before
+    the candidate is copied, as in a full run, where its model is the only one built: with
+    the copy's 2 GB beside it, the page faults of the 190 MB a capture holds cost this
+    machine's kernel 5-7 s of system time in ten triples, against 1 s without
+    (docs/performance.md, *Real size and start-up*)."""
     start = time.perf_counter()
     reference = build(16, **REAL_SIZE)
     built = time.perf_counter() - start
+    ids = torch.randint(0, REAL_SIZE["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
+    layout = resolve(reference)
+    in_memory = interleaved(lambda: forward(reference, ids), lambda: record(reference, layout, MemoryStore(), ids), 11)
     start = time.perf_counter()
     candidate = copy.deepcopy(reference)
     copied = time.perf_counter() - start
-    ids = torch.randint(0, REAL_SIZE["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
-    layout = resolve(reference)
-    in_memory = interleaved(lambda: forward(reference, ids), lambda: record(reference, layout, MemoryStore(), ids), repeat)
     two_forwards = timed(lambda: (forward(reference, ids), forward(candidate, ids)), repeat)
     full = timed(lambda: diff(reference, candidate, ids), 1)
     candidate.to(torch.bfloat16)
