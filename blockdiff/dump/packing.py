@@ -646,10 +646,10 @@ _WRITE_BYTES = 2 << 20
 _ALLOCATE_BYTES = 1 << 20
 
 
-def _write_at(fd: int, offset: int, arrays: list[np.ndarray], per_call: int = _WRITE_BYTES) -> None:
-    """``arrays``' bytes one after the other at ``offset`` of the file, ``per_call`` bytes
+def _write_at(fd: int, offset: int, arrays: list[np.ndarray]) -> None:
+    """``arrays``' bytes one after the other at ``offset`` of the file, :data:`_WRITE_BYTES`
     at most per call (their disk blocks allocated by the caller: :func:`_allocate`)."""
-    _pwrite_all(fd, [memoryview(a).cast("B") for a in arrays if a.size], offset, per_call)
+    _pwrite_all(fd, [memoryview(a).cast("B") for a in arrays if a.size], offset, _WRITE_BYTES)
 
 
 def _allocate(fd: int, offset: int, nbytes: int) -> None:
@@ -673,7 +673,7 @@ def _allocate(fd: int, offset: int, nbytes: int) -> None:
         pass
 
 
-def _pwrite_all(fd: int, views: list[memoryview], offset: int, per_call: int = _WRITE_BYTES) -> None:
+def _pwrite_all(fd: int, views: list[memoryview], offset: int, per_call: int) -> None:
     """Write ``views`` one after the other at ``offset``, at most ``per_call`` bytes per
     call: ``pwritev``, or ``pwrite`` where there is none; short writes continued."""
     pieces = [v[i : i + per_call] for v in views for i in range(0, len(v), per_call)]

@@ -27,7 +27,7 @@ from ..hookmap import Layout
 from ..inputs import Inputs
 from ..pairing import output_position
 from ..report import BlockResult, Check, SubpathResult
-from ..site import Opaque, Site, describe_key, map_opaque, map_structure, primary_tensor, replace_primary
+from ..site import Opaque, Site, map_opaque, map_structure, primary_tensor, replace_primary
 from ..store import MemoryStore, SiteStore
 from ..tolerance import Threshold
 from ..vocab import INPUT_GRADIENT, OUTPUT_GRADIENT, PARAMETER_GRADIENT, REPLICAS, reported_subpath
