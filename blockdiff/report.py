@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,11 @@ def _budget(budget: dict[str, dict[str, Any]], number: Any) -> dict[str, dict[st
 
 # A site's drift is measured at its output: just after its local checks in execution order.
 DRIFT_AFTER = 1e-3
+
+# How a child check paired by role (or fused) names the reference's child it stands for:
+# "child w1 (as gate_proj)", "child wqkv (as q_proj+k_proj+v_proj)" (children.ChildPair.what).
+_PAIRED_AS = re.compile(r"\(as ([^()]+)\)$")
+
 
 @dataclass
 class Check:
@@ -72,6 +78,22 @@ class Check:
     def first_child(self) -> "Check | None":
         """The first child, in the order they ran, that diverges (drilled checks only)."""
         return next((c for c in self.children or [] if c.diverged), None)
+
+    @property
+    def paired_as(self) -> str | None:
+        """A drilled child check paired by role or fused: the reference's child (or
+        children, ``+``-joined) it stands for (``gate_proj`` of ``child w1 (as gate_proj)``);
+        ``None`` for a child paired by name, or any other check."""
+        found = _PAIRED_AS.search(self.what)
+        return None if found is None else found.group(1)
+
+    def child_dict(self) -> dict[str, Any]:
+        """This check as a divergence's ``child`` (the first divergent child of its drill-down):
+        :meth:`to_dict` with ``value`` always set (the measured value, as a divergence has it),
+        ``paired`` (``name``, ``role`` or ``fused``) and ``paired_as`` (:attr:`paired_as`)."""
+        paired_as = self.paired_as
+        paired = "name" if paired_as is None else "fused" if "+" in self.what else "role"
+        return {**self.to_dict(), "value": json_number(self.measured), "paired": paired, "paired_as": paired_as}
 
     @property
     def every_child_checked(self) -> bool | None:
@@ -334,7 +356,12 @@ class Divergence:
     step: int | None = None  # the decode step (Report.decode), None for one forward pass
 
     def to_dict(self) -> dict[str, Any]:
+        """The divergence as ``first_divergence`` and each of ``divergences`` hold it; ``child``
+        and ``conversion`` are derived from the check (:meth:`Report.from_dict` reads neither:
+        a report without them, written before they were, reads the same)."""
         nonfinite_ref, nonfinite_cand = self.check.nonfinite
+        child = self.check.first_child
+        conversion = (self.check.details or {}).get("conversion")
         return {
             **({} if self.step is None else {"step": self.step}),
             "stage": self.stage,
@@ -350,6 +377,10 @@ class Divergence:
             "ratio": json_number(self.check.ratio),
             "nonfinite_ref": nonfinite_ref,
             "nonfinite_cand": nonfinite_cand,
+            # What the terminal says beside the headline: the drill-down's first divergent
+            # child, and the converted weights that explain it (docs/report-format.md).
+            "child": None if child is None else child.child_dict(),
+            "conversion": None if conversion is None else list(conversion),
         }
 
     @property

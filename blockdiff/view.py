@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,9 +91,9 @@ def drill_down(divergence: Divergence) -> str | None:
     unchecked = not_checked(check)
     first = check.first_child
     if first is not None:
-        paired_as = _PAIRED_AS.search(first.what)
+        paired_as = first.paired_as  # "(as gate_proj)": paired by role (the JSON's child.paired_as)
         line = (
-            f"first divergent child: {first.module}{'' if paired_as is None else ' ' + paired_as.group(0)}: "
+            f"first divergent child: {first.module}{'' if paired_as is None else f' (as {paired_as})'}: "
             f"{first.metric} {first.measured:.3g} > threshold {first.threshold.value:.3g} ({times(first)})"
         )
         return line + (f"; not checked: {unchecked}" if unchecked else "")
@@ -111,10 +110,6 @@ def drill_down(divergence: Divergence) -> str | None:
     if not children:
         return f"no child module diverges ({module} calls none): the cause is in {module} itself (its code or its weights)"
     return f"no child module diverges ({len(children)} checked): the cause is in {module} itself (its code or its weights)"
-
-
-# How a child check paired by role names the reference's child it stands for: "(as gate_proj)".
-_PAIRED_AS = re.compile(r"\(as [^()]+\)$")
 
 
 def not_checked(check: Check) -> str | None:
