@@ -29,7 +29,6 @@ and a candidate's decode replayed against it.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,8 +41,8 @@ from .inputs import accepts, run_model
 from .hooking import BufferCache
 from .report import Check, SubpathResult
 from .sides import Side
+from .sides.batched import PositionCut, RowSide
 from .sides.live import cache_buffers
-from .site import map_structure
 from .store import MemoryStore
 from .vocab import KV_KEYS, KV_VALUES
 
@@ -224,6 +223,9 @@ class Decoded:
     recordings: list[Any] = field(default_factory=list)  # what each step's record holds by reference
     greedy: list[torch.Tensor] = field(default_factory=list)
     caches: CacheLog = field(default_factory=CacheLog)
+    # Each step as a side of its own, where a step's experiments cannot run on the side
+    # itself (a model without a cache: the whole sequence cut to the step, :func:`uncached`).
+    sides: list[Any] = field(default_factory=list)
 
 
 def decode(
@@ -271,10 +273,13 @@ def uncached(side: Side, prompt: torch.Tensor, steps: int) -> Decoded:
     length, start = sequence.shape[1], prompt.shape[1]
     for step in range(steps + 1):
         lo, hi = (0, start) if step == 0 else (start + step - 1, start + step)
-        store = MemoryStore(side.meta)
-        for site in whole.sites():
-            store.add(_positions(site, lo, hi, length))
-        found.stores.append(store)
+        # An experiment on a step runs the whole sequence and is cut back (RowSide).
+        cut = RowSide.of(
+            side, PositionCut(sequence.shape[0], length, slice(lo, hi)), whole, label=side.meta.get("model", side.name),  # type: ignore[arg-type]
+            name=side.name,
+        )
+        found.sides.append(cut)
+        found.stores.append(cut.store)
     return found
 
 
@@ -296,15 +301,6 @@ def stored(side: Side, steps: int) -> Decoded:
     if len(found.greedy) < steps + 1:
         raise InputError(f"{side.meta.get('dump')}: the dump's decode holds {len(found.greedy)} steps' tokens, {steps + 1} needed")
     return found
-
-
-def _positions(site: Any, lo: int, hi: int, length: int) -> Any:
-    """``site`` with every tensor laid out ``[batch, positions, ...]`` over the whole
-    sequence cut to positions ``lo:hi``."""
-    cut = lambda t: t[:, lo:hi] if t.dim() >= 2 and t.shape[1] == length else t  # noqa: E731
-    return dataclasses.replace(
-        site, args=map_structure(site.args, cut), kwargs=map_structure(site.kwargs, cut), output=map_structure(site.output, cut)
-    )
 
 
 def remember(side: Side, store: MemoryStore) -> None:

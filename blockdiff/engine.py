@@ -412,7 +412,9 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
             for side in (ref, cand, floor):
                 if side is not None and side.live:
                     side.begin_step()  # type: ignore[attr-defined]
-            ref.store, cand.store = ref_run.stores[step], cand_run.stores[step]
+            # The reference as this step: itself, or the step of its uncached run (decoding.uncached).
+            ref_step = ref_run.sides[step] if ref_run.sides else ref
+            ref_step.store, cand.store = ref_run.stores[step], cand_run.stores[step]
             free = floor_run.stores[step] if floor_run is not None else cand.store
             length = prompt.shape[1] + step
 
@@ -422,12 +424,12 @@ def _decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
                 decoding.add_kv_checks(blocks, found)
 
             reports.append(
-                _localize(ref, cand, prompt, replace(options, tolerance=tolerance), free_run=lambda side, free=free: free,
+                _localize(ref_step, cand, prompt, replace(options, tolerance=tolerance), free_run=lambda side, free=free: free,
                           stateful=True, complete=complete)
             )
             # The reference's own calls, for the next steps' drill-downs (they replay its
             # modules' children on the cache its run held then).
-            if ref.live:
+            if ref_step is ref and ref.live:
                 decoding.remember(ref, ref.store)
         runs = [ref_run, cand_run, *([floor_run] if floor_run is not None else [])]
         if any(recording.changed() for run in runs for recording in run.recordings):

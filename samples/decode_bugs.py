@@ -8,6 +8,7 @@ the cached path of one block (``DEFAULT_BLOCK`` unless named otherwise):
     blockdiff diff samples/hf_llama.py:build samples/decode_bugs.py:rotary_not_offset --decode 4
     blockdiff diff samples/decode_bugs.py:sliding samples/decode_bugs.py:window_one_too_many --decode 6 --seq 4
     blockdiff diff samples/hf_llama.py:build_qwen3 samples/decode_bugs.py:keys_cached_before_knorm --decode 2
+    blockdiff diff samples/decode_bugs.py:scale_wrong_when_decoding --decode 6
 """
 
 from __future__ import annotations
@@ -121,6 +122,29 @@ def static_slots_unmasked(*, block: int = 0) -> nn.Module:
         if hidden is not None and hidden.shape[1] == 1:
             kwargs["attention_mask"] = None
         return original(*args, **kwargs)
+
+    attn.forward = forward
+    return model
+
+
+def scale_wrong_when_decoding(*, block: int = 2) -> nn.Module:
+    """At decode steps (one new token) block ``block``'s attention scales its scores by
+    ``1/head_dim`` instead of ``1/sqrt(head_dim)``; a forward over the whole sequence is
+    right. Found with no candidate (the model against its own uncached forward):
+    ``blockdiff diff samples/decode_bugs.py:scale_wrong_when_decoding --decode 6``. Eager
+    attention: its matrix products take the keys' positions from the call they are given."""
+    model = hf_llama.build(attn_implementation="eager")
+    attn = model.model.layers[block].self_attn
+    original, right = attn.forward, attn.scaling
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        attn.scaling = right * right if hidden is not None and hidden.shape[1] == 1 else right
+        try:
+            return original(*args, **kwargs)
+        finally:
+            attn.scaling = right
 
     attn.forward = forward
     return model

@@ -106,6 +106,24 @@ def test_a_model_against_its_own_uncached_forward(dtype):
     assert any("against its own cache" in note for note in bug.notes)
 
 
+def test_a_decode_only_bug_is_found_with_no_candidate_at_its_step_block_and_subpath(tmp_path, capsys):
+    """Its drill-down runs the reference's module on the whole sequence and cuts the
+    children back to the step: the cut call alone (one position, no history) made eager
+    attention raise, and blockdiff's error was reported as the model's."""
+    out = tmp_path / "report.json"
+    code, _, _ = run_cli(["diff", "samples/decode_bugs.py:scale_wrong_when_decoding", "--decode", "6", "--seq", "6", "--json", str(out)], capsys)
+    assert code == 1
+    first = json.loads(out.read_text())["first_divergence"]
+    assert (first["step"], first["block"], first["subpath"], first["what"]) == (1, 2, "attention", "output")
+    report = run("samples/decode_bugs.py:scale_wrong_when_decoding", None, IDS, options=Options(decode=STEPS))
+    assert blamed(report) == (1, 2, "attention", "output")
+    children = report.first_divergence.check.children
+    assert children and not any(child.diverged for child in children)  # the scale is the module's own code
+    assert [step["first_divergence"] is not None for step in report.steps] == [False] + [True] * STEPS
+    clean = run(lambda: hf_llama.build(attn_implementation="eager"), None, IDS, options=Options(decode=STEPS))
+    assert blamed(clean) is None
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_moe_model_decodes_with_its_routing_judged_at_every_step(dtype, tmp_path, capsys):
     clean = run(hf_moe.build(), hf_moe.build().to(getattr(torch, dtype)), IDS, options=Options(decode=2))

@@ -1,4 +1,6 @@
-"""One row inside a batch, as a side: the candidate of a batch-invariance diff.
+"""Part of a bigger run, as a side: one row inside a batch (the candidate of a
+batch-invariance diff), or some positions of a whole sequence (the reference of a model
+against its own cache).
 
 The reference of ``blockdiff invariance`` is a row of token ids run alone (batch 1, its own
 length); the candidate is the same model with that row inside a batch (other rows, maybe
@@ -9,6 +11,12 @@ replaced by the reference's (the row alone's), the other rows' its own, and the 
 back to the row. So a module whose output for a row depends on what else is in its batch
 (statistics taken over the batch, a reduction split by the number of rows, a capacity
 shared by all tokens) diverges there, and only there (docs/invariance.md).
+
+The same side over a :class:`PositionCut` is a decode step of a model run without a cache:
+the whole sequence's record cut to the step's positions, and an experiment on it runs the
+module on the whole sequence (a module at one position attends to every position before
+it) and cuts the answer back. Calling a module on the cut call alone would give it one
+position with no history (docs/decode.md).
 """
 
 from __future__ import annotations
@@ -83,6 +91,42 @@ class RowCut:
         return out
 
 
+@dataclass(frozen=True)
+class PositionCut:
+    """Positions ``real`` of a whole sequence of ``length`` positions, every row: a
+    ``[batch, positions, ...]`` tensor cut on its second dimension, a ``[batch * length,
+    ...]`` one (tokens flattened, as MoE routers take them) on its first; any other tensor
+    (a mask ``[batch, 1, length, length]``) is kept whole."""
+
+    batch: int
+    length: int
+    real: slice
+
+    def _flat(self, t: torch.Tensor) -> bool:
+        return self.length > 1 and t.dim() >= 1 and t.shape[0] == self.batch * self.length and (t.dim() < 2 or t.shape[1] != self.length)
+
+    def _cuts(self, t: torch.Tensor) -> bool:
+        return t.dim() >= 2 and t.shape[1] == self.length
+
+    def cut(self, t: torch.Tensor) -> torch.Tensor:
+        if self._flat(t):
+            return t.reshape(self.batch, self.length, *t.shape[1:])[:, self.real].reshape(-1, *t.shape[1:])
+        return t[:, self.real] if self._cuts(t) else t
+
+    def put(self, whole: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """A copy of ``whole`` with the positions' part replaced by ``part``."""
+        part = part.to(device=whole.device, dtype=whole.dtype)
+        if self._flat(whole):
+            out = whole.clone()
+            out.view(self.batch, self.length, *whole.shape[1:])[:, self.real] = part.reshape(self.batch, -1, *whole.shape[1:])
+            return out
+        if not self._cuts(whole):
+            return part if part.shape == whole.shape else whole
+        out = whole.clone()
+        out[:, self.real] = part
+        return out
+
+
 def _put_all(batch: Any, row: Any, cut: RowCut) -> Any:
     """``batch`` (a recorded structure) with each of its tensors' row part replaced by the
     tensor of ``row`` in the same place (a router's whole decision: logits, weights, indices)."""
@@ -91,17 +135,18 @@ def _put_all(batch: Any, row: Any, cut: RowCut) -> Any:
 
 
 class RowSide(SideDefaults):
-    """Row ``cut.row`` of a batch, run as part of the whole batch on ``inner``'s model.
+    """Row ``cut.row`` of a batch (or the positions of a :class:`PositionCut`), run as part
+    of the whole batch on ``inner``'s model.
 
     Its store holds the batch's sites cut to the row; the batch's own are kept beside them,
     for the experiments, which always run the whole batch (see the module docstring)."""
 
     live = True
 
-    def __init__(self, inner: LiveSide, cut: RowCut, *, label: str) -> None:
+    def __init__(self, inner: LiveSide, cut: RowCut | PositionCut, *, label: str, name: str = "candidate") -> None:
         self.inner = inner
         self.cut = cut
-        self.name = "candidate"
+        self.name = name
         self.layout = inner.layout
         self.meta = {**inner.meta, "model": label}
         self.store: SiteStore | None = None
@@ -144,10 +189,10 @@ class RowSide(SideDefaults):
         return {role: self.cut.put(own[role], t) if role in own else t for role, t in hidden.items()}
 
     @classmethod
-    def of(cls, inner: LiveSide, cut: RowCut, batch: MemoryStore, *, label: str) -> "RowSide":
+    def of(cls, inner: LiveSide, cut: RowCut | PositionCut, batch: MemoryStore, *, label: str, name: str = "candidate") -> "RowSide":
         """The row of a batch ``inner`` has recorded into ``batch`` already (one record
         serves every row)."""
-        side = cls(inner, cut, label=label)
+        side = cls(inner, cut, label=label, name=name)
         side._fill(MemoryStore(side.meta), batch)
         return side
 
@@ -207,4 +252,4 @@ def rows_of(batch: int, lengths: list[int], padding: str | None) -> Iterator[Row
         yield RowCut(row, batch, length, real)
 
 
-__all__ = ["RowCut", "RowSide", "rows_of"]
+__all__ = ["PositionCut", "RowCut", "RowSide", "rows_of"]
