@@ -27,6 +27,7 @@ from .errors import (  # noqa: E402
     DumpError,
     HookMapError,
     InputError,
+    OptionsError,
     ModelRunError,
     ModelSpecError,
     PairingError,
@@ -35,7 +36,7 @@ from .errors import (  # noqa: E402
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from .assertion import DivergenceError, assert_no_divergence
-    from .invariance import assert_batch_invariant
+    from .assertion import assert_batch_invariant
     from .engine import Options, diff, run
     from .inputs import RandomTokens
     from .autodetect import resolve
@@ -58,7 +59,7 @@ _LAZY = {
     "trained_looking_": ".weights",
     "assert_no_divergence": ".assertion",
     "DivergenceError": ".assertion",
-    "assert_batch_invariant": ".invariance",
+    "assert_batch_invariant": ".assertion",
 }
 
 __all__ = [
@@ -80,6 +81,7 @@ __all__ = [
     "DumpError",
     "HookMapError",
     "InputError",
+    "OptionsError",
     "ModelRunError",
     "ModelSpecError",
     "PairingError",

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DivergenceError",
+    "assert_batch_invariant",
     "assert_no_divergence",
     "raise_for_divergence",
     "tolerance_from",
@@ -292,3 +293,17 @@ def default_next_steps(report: Report) -> list[str]:
     if hint is not None:
         steps.append(hint)
     return steps
+
+
+def assert_batch_invariant(model: Any, tokens: Any = None, **options: Any) -> Report:
+    """:func:`~blockdiff.modes.invariance.invariance` as a test verdict: the report when no
+    row differs, else a :class:`DivergenceError` naming the first operation and its rows.
+
+    >>> assert_batch_invariant("samples/tinylm.py:build", batch=4)   # doctest: +SKIP
+    """
+    __tracebackhide__ = True
+    from .modes.invariance import invariance
+
+    report = invariance(model, tokens, **options)
+    raise_for_divergence(report, heading="a row's output depends on its batch")
+    return report

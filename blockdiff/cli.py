@@ -20,7 +20,15 @@ from typing import Any, Callable
 import click
 from rich.console import Console
 
-from .errors import BlockdiffError, ModelRunError, ModelSpecError
+from .errors import BlockdiffError, ModelRunError, ModelSpecError, OptionsError
+
+# How the CLI spells the library's options (Options' fields, capture's keywords) in the
+# errors it prints (OptionsError).
+FLAGS = {
+    "backward": "--backward", "baseline_dtype": "--baseline-dtype", "caches": "--ref-cache/--cand-cache",
+    "capacity_factors": "--capacity-factor", "decode": "--decode", "fast_path": "--fast", "floors": "--floors",
+    "loss": "--loss", "rank": "--rank", "save_dumps": "--save-dumps", "stream": "--stream", "tolerance": "--tolerance",
+}
 
 EXIT_DIVERGED = 1
 EXIT_ERROR = 2
@@ -327,10 +335,6 @@ def diff_command(
         from .plot import require_matplotlib
 
         require_matplotlib()  # fail before the diff runs, not after
-    if baseline_dtype and rank is None:
-        raise click.UsageError("--baseline-dtype sets the baseline of --rank N; give --rank too")
-    if loss and not backward:
-        raise click.UsageError("--loss sets the loss of --backward; give --backward too")
     if any(not cf > 0 for cf in capacity_factors):
         raise click.BadParameter("capacity factors must be positive numbers", param_hint="--capacity-factor")
     if hooks_path and (ref_hooks or cand_hooks):
@@ -533,7 +537,7 @@ def invariance_command(
     """
     from . import hookmap
     from .dtypes import parse_dtype
-    from .invariance import invariance
+    from .modes.invariance import invariance
     from .loading import parse_device
 
     if lengths and not padding:
@@ -837,6 +841,8 @@ def _main(argv: list[str] | None) -> Any:
         _fail(exc.format_message(), exc, hint=f"Try '{where} --help'.")
     except click.ClickException as exc:
         _fail(exc.format_message(), exc)
+    except OptionsError as exc:  # the library names parameters; a user of the CLI reads flags
+        _fail(exc.spelled(FLAGS), exc)
     except BlockdiffError as exc:
         _fail(str(exc), exc)
     except KeyboardInterrupt:

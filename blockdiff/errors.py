@@ -9,6 +9,7 @@ Hierarchy::
     ├── ModelSpecError        a model spec cannot be loaded (file, factory, return type)
     ├── HookMapError          a hook map is malformed or names modules that do not exist
     ├── InputError            bad token ids, shapes, dtype or device names, empty inputs
+    │   └── OptionsError          options that do not go together (named as parameters)
     ├── ModelRunError         a model raised while blockdiff ran it
     ├── PairingError          reference and candidate sites cannot be paired
     │   └── ShapeMismatchError    paired sites have different shapes
@@ -26,6 +27,7 @@ __all__ = [
     "ModelSpecError",
     "HookMapError",
     "InputError",
+    "OptionsError",
     "ModelRunError",
     "PairingError",
     "ShapeMismatchError",
@@ -56,6 +58,34 @@ class HookMapError(BlockdiffError):
 
 class InputError(BlockdiffError):
     """Model inputs, dtype or device names are unusable."""
+
+
+class OptionsError(InputError):
+    """Options that do not go together, or a value an option does not take.
+
+    ``template`` is the message with each option written ``{name}`` (its parameter's name:
+    ``decode``, ``save_dumps``): ``str()`` names them as the Python API spells them,
+    :meth:`spelled` as a front door does (the CLI's flags). ``names``: the options it
+    names; ``values``: the other fields of the template.
+
+    >>> str(OptionsError("{decode} runs in memory: not with {stream}"))
+    'decode runs in memory: not with stream'
+    >>> OptionsError("{decode} runs in memory").spelled({"decode": "--decode"})
+    '--decode runs in memory'
+    """
+
+    def __init__(self, template: str, **values: Any) -> None:
+        import string
+
+        self.template, self.values = template, values
+        fields_ = [field for _, field, _, _ in string.Formatter().parse(template) if field]
+        self.names = tuple(dict.fromkeys(f for f in fields_ if f not in values))
+        super().__init__(self.spelled({}))
+
+    def spelled(self, spelling: dict[str, str]) -> str:
+        """The message with each option spelled as ``spelling`` says (its own name where
+        it says nothing)."""
+        return self.template.format(**{name: spelling.get(name, name) for name in self.names}, **self.values)
 
 
 class ModelRunError(BlockdiffError):

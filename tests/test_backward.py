@@ -185,9 +185,9 @@ def test_a_loss_of_ones_own(tmp_path, capsys):
 
 
 def test_backward_refuses_what_it_cannot_do(tmp_path):
-    with pytest.raises(InputError, match="not with --stream"):
+    with pytest.raises(InputError, match="backward runs in memory: not with stream"):
         run(tinylm.build(), tinylm.build(), IDS, options=Options(backward=True, stream=True))
-    with pytest.raises(InputError, match="not with a dump, nor with --decode"):
+    with pytest.raises(InputError, match="not with a dump, nor with decode"):
         run(hf_llama.build(), hf_llama.build(), IDS, options=Options(backward=True, decode=2))
     with pytest.raises(InputError, match="token ids"):
         run(tinylm.build(), tinylm.build(), IDS[:, :1], options=Options(backward=True))

@@ -154,7 +154,7 @@ def test_a_decode_report_round_trips_and_a_schema_1_report_still_reads():
 def test_decode_refuses_what_it_cannot_do():
     with pytest.raises(InputError, match="token ids"):
         run(hf_llama.build(), hf_llama.build(), {"input_ids": IDS}, options=Options(decode=2))
-    with pytest.raises(InputError, match="not with --stream"):
+    with pytest.raises(InputError, match="decode runs in memory, on one process: not with stream"):
         run(hf_llama.build(), hf_llama.build(), IDS, options=Options(decode=2, stream=True))
     from samples import tinylm
 
@@ -320,7 +320,7 @@ def test_a_decode_dump_holds_every_step_as_schema_5_and_a_forward_dump_stays_sch
 def test_decode_dumps_refuse_what_they_cannot_do(decode_dump, tmp_path):
     from blockdiff.engine import capture
 
-    with pytest.raises(InputError, match="holds 4 decode steps; --decode 9 asks for more"):
+    with pytest.raises(InputError, match="holds 4 decode steps; decode=9 asks for more"):
         run(str(decode_dump), hf_llama.build(), options=Options(decode=9))
     with pytest.raises(InputError, match="two dumps of decodes are not compared"):
         run(str(decode_dump), str(decode_dump))

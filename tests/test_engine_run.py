@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import blockdiff
-from blockdiff import InputError, Options, PairingError, RandomTokens, Tolerance, run
+from blockdiff import InputError, Options, OptionsError, PairingError, RandomTokens, Tolerance, run
 from blockdiff.engine import capture
 from blockdiff.sides.dump import DumpSide
 from blockdiff.sides.live import LiveSide
@@ -82,8 +82,11 @@ def test_pairings_without_a_mode_are_input_errors(sides, message):
 
 
 def test_save_dumps_needs_a_live_pair(golden, tmp_path):
-    with pytest.raises(InputError, match="--save-dumps"):
+    with pytest.raises(OptionsError, match="save_dumps keeps the captures of a live diff") as caught:
         run(golden[0], tinylm.build(), options=Options(save_dumps=tmp_path))
+    # The library names its parameters; the CLI spells them as its flags.
+    assert caught.value.names == ("save_dumps",)
+    assert caught.value.spelled({"save_dumps": "--save-dumps"}).startswith("--save-dumps keeps the captures")
 
 
 def test_a_factory_returning_something_else_is_an_input_error():

@@ -24,6 +24,7 @@ def test_all_is_exactly_the_public_names():
             "DumpError",
             "HookMapError",
             "InputError",
+            "OptionsError",
             "ModelRunError",
             "ModelSpecError",
             "PairingError",

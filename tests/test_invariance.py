@@ -9,7 +9,7 @@ import json
 import pytest
 
 from blockdiff import InputError, Report
-from blockdiff.invariance import invariance
+from blockdiff.modes.invariance import invariance
 from tests.conftest import run_cli
 
 pytest.importorskip("transformers")

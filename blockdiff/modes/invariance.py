@@ -20,18 +20,18 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from . import engine
-from .assertion import raise_for_divergence
-from .errors import InputError, run_model_code
-from .hookmap import HookMap
-from .inputs import RandomTokens, accepts
-from .moe import capacity_of
-from .report import Report
-from .sides.batched import RowCut, RowSide, rows_of
-from .sides.factory import open_side
-from .sides.live import LiveSide
-from .store import MemoryStore
-from .tolerance import Tolerance
+from ..errors import InputError, run_model_code
+from ..hookmap import HookMap
+from ..inputs import RandomTokens, accepts
+from ..moe import capacity_of
+from ..report import Report
+from ..sides.batched import RowCut, RowSide, rows_of
+from ..sides.factory import open_side
+from ..sides.live import LiveSide
+from ..store import MemoryStore
+from ..tolerance import Tolerance
+from .judging import localize
+from .options import Options
 
 PADDING = ("left", "right")
 
@@ -105,7 +105,7 @@ def invariance(
                 side.store = MemoryStore(side.meta)
                 run_model_code("reference", side.record, alone, side.store, hold=None)
                 cand = RowSide.of(in_batch, cut, whole, label=f"row {row} inside a batch of {count}")
-                report = engine.localize(side, cand, alone, engine.Options(tolerance=tolerance_))
+                report = localize(side, cand, alone, Options(tolerance=tolerance_))
                 found.append((row, report))
             shared = run_model_code(
                 "reference", _capacities, side, [r for _, r in found], alone_tokens=min(lengths), batch_tokens=count * length
@@ -139,18 +139,6 @@ def _capacities(side: LiveSide, reports: list[Report], *, alone_tokens: int, bat
                 "alone_tokens": alone_tokens, "batch_tokens": batch_tokens,
             })
     return found
-
-
-def assert_batch_invariant(model: Any, tokens: Any = None, **options: Any) -> Report:
-    """:func:`invariance` as a test verdict: the report when no row differs, else a
-    :class:`~blockdiff.assertion.DivergenceError` naming the first operation and its rows.
-
-    >>> assert_batch_invariant("samples/tinylm.py:build", batch=4)   # doctest: +SKIP
-    """
-    __tracebackhide__ = True
-    report = invariance(model, tokens, **options)
-    raise_for_divergence(report, heading="a row's output depends on its batch")
-    return report
 
 
 def _tokens(side: LiveSide, tokens: Any, *, batch: int, seq: int, seed: int) -> torch.Tensor:
@@ -252,4 +240,4 @@ def _ranges(rows: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-__all__ = ["PADDING", "assert_batch_invariant", "invariance"]
+__all__ = ["PADDING", "invariance"]
