@@ -10,7 +10,10 @@ embedding; a block's modules last to first, then its residual):
 
 - **module** (attention, ffn, each norm, and the stages): the candidate's module run on the
   reference's input and backward from the **reference's** output gradient; its input
-  gradient and each of its parameter gradients against the reference's;
+  gradient and each of its parameter gradients against the reference's, paired as the
+  forward pairs weights and children (``conversion.paired_parameters``, then
+  ``children.pair_children``: a port's ``wqkv`` as ``q_proj+k_proj+v_proj``), what pairs
+  with nothing named; a module that passes no gradient at all gets zeros, judged;
 - **residual**: the candidate's block on the reference's input with every sub-path module
   replaced by the reference's own module (forward and backward), backward from the
   reference's block-output gradient; the block's input gradient against the reference's;
@@ -32,16 +35,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from . import distributed
 from .capture import Recording
+from .children import ChildPair, pair_children
 from .compare import Metrics, metrics, rel_l2
+from .conversion import paired_parameters
 from .errors import InputError, run_model_code
 from .experiments import aligned, same_arguments, same_call
 from .inputs import Inputs
@@ -60,6 +65,8 @@ Loss = Callable[[Any, Inputs], torch.Tensor]
 DEFAULT_LOSS = "next-token cross-entropy on the input ids"
 GRADIENT_DRIFT = "gradient drift"
 EXPERTS_GRADIENT = "experts (routing frozen at the reference's): input gradient"
+
+T = TypeVar("T")
 
 
 def next_token_loss(output: Any, inputs: Inputs) -> torch.Tensor:
@@ -245,6 +252,9 @@ class BackwardExperiments:
         # A block's residual floor found by its whole-block floor run (residual_probe).
         self._residual_floors: dict[tuple[str, int], Any] = {}
         self._exclusive = self._exclusive_parameters()
+        # The child calls of the module being judged, recorded once for its parameters'
+        # pairing and its drill-down (emptied after each module: _children).
+        self._child_calls: dict[tuple, list[Site]] = {}
 
     def _exclusive_parameters(self) -> dict[int, str]:
         """The reference's parameters that one site's one call alone uses (id → name): their
@@ -317,28 +327,150 @@ class BackwardExperiments:
     def module_checks(self, target: str, r: Site, c: Site) -> list[Check]:
         """The candidate's module backward from the reference's output gradient, on the
         reference's input: its input gradient and each parameter gradient judged (no check
-        for a module no gradient reaches)."""
+        for a module no gradient reaches). Parameters pair as the forward pairs them
+        (:meth:`parameter_pairs`); those that pair with nothing are named on the module's
+        first check (``details["parameters_not_paired"]``) and in a note, never dropped
+        silently. A module that passes no gradient at all where the reference's does (its
+        output depends on none of its inputs and weights: a ``detach()``) gets zeros, judged
+        as any gradient is, and a note."""
         grad = self.ref_g.outputs.get((r.module, r.call))
         if grad is None:
             return []
         hidden = r.hidden_inputs()
-        got_in, got_params = self.cand.backward_module(c.module, c, hidden, grad)  # type: ignore[attr-defined]
-        floor = self._floor_run(r, c, (got_in, got_params), lambda side: side.backward_module(r.module, r, hidden, grad))
+        got = self.cand.backward_module(c.module, c, hidden, grad)  # type: ignore[attr-defined]
+        floor = self._floor_run(r, c, got, lambda side: side.backward_module(r.module, r, hidden, grad))
+        got_in, got_params = got
         floor_in, floor_params = floor if floor is not None else ({}, {})
         checks = []
         expected_in = self.ref_g.inputs.get((r.module, r.call))
         if expected_in is not None and "primary" in got_in:
             checks.append(self.check(target, INPUT_GRADIENT, c.module, expected_in, got_in["primary"], floor_in.get("primary")))
-        for name, expected in self.expected_parameters(r, hidden, grad).items():
-            if name not in got_params:  # a parameter only the reference's module has
-                continue
-            checks.append(
-                self.check(target, PARAMETER_GRADIENT.format(name), c.module, expected, got_params[name], floor_params.get(name))
+        expected = self.expected_parameters(r, hidden, grad)
+        pairs, not_paired = self.parameter_pairs(r, c, hidden, expected, got_params)
+        ref_module, cand_module = self.ref.module(r.module), self.cand.module(c.module)  # type: ignore[attr-defined]
+        for pair in pairs:
+            want = _side_by_side([_held(ref_module, name, expected[name]) for name in pair.ref], pair.dim)
+            mine = _side_by_side([_held(cand_module, name, got_params[name]) for name in pair.cand], pair.dim)
+            if floor is got:  # the floor's run was the candidate's: its number is the floor
+                own = mine
+            elif all(name in floor_params for name in pair.ref):
+                own = _side_by_side([_held(ref_module, name, floor_params[name]) for name in pair.ref], pair.dim)
+            else:
+                own = None
+            checks.append(self.check(target, PARAMETER_GRADIENT.format(pair.name), c.module, want, mine, own))
+        where = f"backward: {describe_key(c.key._replace(subpath=reported_subpath(c.subpath)))} ({c.module})"
+        if any(not_paired.values()):
+            if checks:
+                checks[0].details = {**(checks[0].details or {}), "parameters_not_paired": not_paired}
+            self.notes.append(
+                f"{where}: parameter gradients that pair with nothing on the other side (by name, by role, order "
+                "and shape, or through the module's children), not judged: "
+                + "; ".join(f"{side} {', '.join(names)}" for side, names in not_paired.items() if names)
+            )
+        reached = [t for t in [expected_in, *expected.values()] if t is not None]
+        if any(bool(t.any()) for t in reached) and not any(bool(t.any()) for t in [*got_in.values(), *got_params.values()]):
+            self.notes.append(
+                f"{where}: the candidate's module passes no gradient — every gradient of its input and weights is "
+                "zero — where the reference's passes one: what it returns depends on none of them (a detach() or a "
+                "no-grad region in its code)"
             )
         worst = max(checks, key=lambda k: (k.diverged, k.ratio), default=None)
-        if worst is not None and worst.diverged:
-            self.children_checks(target, r, c, hidden, grad, worst)
+        try:
+            if worst is not None and worst.diverged:
+                self.children_checks(target, r, c, hidden, grad, worst)
+        finally:
+            self._child_calls.clear()
         return checks
+
+    def parameter_pairs(
+        self, r: Site, c: Site, hidden: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]
+    ) -> tuple[list[ParameterPair], dict[str, list[str]]]:
+        """Which of the candidate module's parameter gradients (``got``, by name below it)
+        goes with which of the reference's (``expected``), as the forward pairs weights and
+        children: by :func:`~blockdiff.conversion.paired_parameters` (the same name, else the
+        same place among the weights of one shape: ``w1, w3`` as ``gate_proj, up_proj``);
+        what is left, through the children as :func:`~blockdiff.children.pair_children`
+        pairs them (by name, role and order, a fused child against split ones): a child
+        pair's own weights by ``paired_parameters``, a fused child's weight against its
+        split counterparts' side by side (``wqkv.weight`` as ``q_proj.weight+k_proj.weight
+        +v_proj.weight``). Returns the pairs, in the reference's order, and what pairs with
+        nothing, by side (``{"reference": [...], "candidate": [...]}``)."""
+        ref_module, cand_module = self.ref.module(r.module), self.cand.module(c.module)  # type: ignore[attr-defined]
+        pairs: list[ParameterPair] = []
+        taken: tuple[set[str], set[str]] = (set(), set())
+
+        def add(mine: list[str], theirs: list[str], dim: int | None) -> None:
+            if any(n not in got or n in taken[0] for n in mine) or any(n not in expected or n in taken[1] for n in theirs):
+                return
+            if dim is None and _held(cand_module, mine[0], got[mine[0]]).shape != _held(ref_module, theirs[0], expected[theirs[0]]).shape:
+                return  # (a weight held in another layout: a local shard, a transposed copy)
+            pairs.append(ParameterPair(mine, theirs, dim))
+            taken[0].update(mine)
+            taken[1].update(theirs)
+
+        for mine, theirs in paired_parameters(ref_module, cand_module):
+            add([mine], [theirs], None)
+        left = any(n not in taken[0] for n in got) and any(n not in taken[1] for n in expected)
+        # The candidate's child calls are collective on a sharded side: every rank runs them
+        # when any rank has weights left to pair (an expert-parallel rank holds other experts).
+        if not distributed.everywhere(not left):
+            pairing = pair_children(
+                r.module, self._children(self.ref, r.module, r, None), c.module,
+                self._children(self.cand, c.module, c, hidden), ref_module=_module_of(self.ref), cand_module=_module_of(self.cand),
+            )
+            for pair in pairing.pairs:
+                if any(s.call for s in (*pair.ref, *pair.cand)):  # a later call: its weights are its first call's
+                    continue
+                refs = [(s.module[len(r.module) + 1:], self.ref.module(s.module)) for s in pair.ref]  # type: ignore[attr-defined]
+                cands = [(s.module[len(c.module) + 1:], self.cand.module(s.module)) for s in pair.cand]  # type: ignore[attr-defined]
+                if len(refs) == 1 and len(cands) == 1:
+                    (ref_rel, ref_child), (cand_rel, cand_child) = refs[0], cands[0]
+                    for mine, theirs in paired_parameters(ref_child, cand_child):
+                        add([f"{cand_rel}.{mine}"], [f"{ref_rel}.{theirs}"], None)
+                    continue
+                # A fused child against split ones: each weight of the one beside the same
+                # weight of the others, along the dimension their outputs are side by side in.
+                one, many = (cands[0], refs) if len(cands) == 1 else (refs[0], cands)
+                for name, _ in one[1].named_parameters():
+                    parts = [f"{rel}.{name}" for rel, _ in many]
+                    cand_names, ref_names = ([f"{one[0]}.{name}"], parts) if len(cands) == 1 else (parts, [f"{one[0]}.{name}"])
+                    held = [tuple(_held(cand_module, n, got[n]).shape) for n in cand_names if n in got]
+                    wanted = [tuple(_held(ref_module, n, expected[n]).shape) for n in ref_names if n in expected]
+                    if len(held) == len(cand_names) and len(wanted) == len(ref_names):
+                        dim = _fused_dim(*(held + wanted if len(held) == 1 else wanted + held))
+                        if dim is not None:
+                            add(cand_names, ref_names, dim)
+        order = {name: i for i, name in enumerate(expected)}
+        pairs.sort(key=lambda p: order[p.ref[0]])
+        pairs, apart = self._on_every_rank(pairs, lambda p: (tuple(p.cand), tuple(p.ref)))
+        for pair in apart:
+            taken[0].difference_update(pair.cand)
+            taken[1].difference_update(pair.ref)
+        return pairs, {
+            "reference": [n for n in expected if n not in taken[1]], "candidate": [n for n in got if n not in taken[0]],
+        }
+
+    def _children(self, side: Side, path: str, call: Site, hidden: dict[str, torch.Tensor] | None) -> list[Site]:
+        """The child calls of ``side``'s module ``path`` at ``call`` (its activations
+        ``hidden``, or its own), recorded for a pairing: the candidate's once for its
+        parameters and its drill-down alike."""
+        key = (id(side), path, call.call, None if hidden is None else tuple(sorted((k, id(t)) for k, t in hidden.items())))
+        if key not in self._child_calls:
+            self._child_calls[key] = side.backward_child_calls(path, call, hidden)  # type: ignore[attr-defined]
+        return self._child_calls[key]
+
+    def _on_every_rank(self, items: list[T], key: Callable[[T], Any]) -> tuple[list[T], list[T]]:
+        """``items`` (pairs to judge) split into those every rank of a sharded candidate
+        has, in rank 0's order, and the rest: each check is collective (its metrics are the
+        worst rank's), so every rank judges the same list. An expert-parallel rank calls
+        only the experts its tokens were routed to. Outside a launched run, all of them."""
+        if not self.cand.lockstep:
+            return items, []
+        every = distributed.every_rank([key(item) for item in items])
+        common = set(every[0]).intersection(*map(set, every[1:]))
+        order = {k: n for n, k in enumerate(every[0])}
+        kept = sorted((item for item in items if key(item) in common), key=lambda item: order[key(item)])
+        return kept, [item for item in items if key(item) not in common]
 
     def children_checks(
         self, target: str, r: Site, c: Site, hidden: dict[str, torch.Tensor], grad: torch.Tensor, into: Check
@@ -346,41 +478,83 @@ class BackwardExperiments:
         """Drill-down: each innermost child the reference's module calls, its backward judged
         as a module's is — the candidate's child on the reference child's input, backward
         from the reference child's output gradient — on its input gradient, in the order
-        they ran, into ``into.children``. Children pair by their path below the module and
-        their call count; those that pair with nothing, and pairs no gradient reaches, are
-        recorded beside them (``children_not_paired``, ``children_not_judged``)."""
+        they ran, into ``into.children``. Children pair as the forward's drill-down pairs
+        them (:func:`~blockdiff.children.pair_children`: by name, by role and order, a fused
+        child against split ones — its output gradient theirs side by side, its input
+        gradient against the sum of theirs); those that pair with nothing, and pairs that
+        cannot be judged or that no gradient reaches, are recorded beside them
+        (``children_not_paired``, ``children_not_judged``)."""
         found = self.ref.child_gradients(r.module, r, hidden, grad)  # type: ignore[attr-defined]
-        with torch.no_grad():
-            own = {(s.module[len(c.module) + 1:], s.call): s for s in self.cand.child_calls(c.module, c, hidden)}
+        gradients = {id(s): (expected, out_grad) for s, expected, out_grad in found}
+        pairing = pair_children(
+            r.module, [s for s, _, _ in found], c.module, self._children(self.cand, c.module, c, hidden),
+            ref_module=_module_of(self.ref), cand_module=_module_of(self.cand),
+        )
         checks: list[Check] = []
-        paired: set[tuple[str, int]] = set()
-        unpaired_ref: list[str] = []
-        not_judged: list[str] = []
-        for rc, expected, out_grad in found:
-            rel = rc.module[len(r.module) + 1:]
-            cc, child_hidden = own.get((rel, rc.call)), rc.hidden_inputs()
-            if cc is None:
-                unpaired_ref.append(rel)
-                continue
-            paired.add((rel, rc.call))
-            if expected is None or out_grad is None or "primary" not in child_hidden:
-                not_judged.append(f"{rel} (no gradient reaches it)")
-                continue
-            got = self.cand.backward_module(cc.module, cc, child_hidden, out_grad, parameters=False)[0]  # type: ignore[attr-defined]
-            floor = self._floor_run(
-                rc, cc, got,
-                lambda side, rc=rc, h=child_hidden, g=out_grad: side.backward_module(rc.module, rc, h, g, parameters=False)[0],
-            )
-            if "primary" in got:
-                what = f"child {rel}" + (f" #{rc.call}" if rc.call else "")
-                checks.append(self.check(target, what, cc.module, expected, got["primary"], None if floor is None else floor.get("primary")))
+        not_judged = list(pairing.not_judged)
+        pairs, apart = self._on_every_rank(pairing.pairs, lambda p: (tuple(p.ref_names), tuple(p.cand_names)))
+        not_judged += [f"{'+'.join(pair.cand_names)} (not called on every rank)" for pair in apart]
+        for pair in pairs:
+            judged = self.child_check(target, c, pair, gradients)
+            if isinstance(judged, Check):
+                checks.append(judged)
             else:
-                not_judged.append(f"{rel} (its input gradient is not recorded)")
+                not_judged.append(f"{'+'.join(pair.cand_names)} ({judged})")
         into.children = checks
-        into.children_not_paired = {
-            "candidate": sorted({rel for rel, call in own if (rel, call) not in paired}), "reference": sorted(set(unpaired_ref)),
-        }
+        into.children_not_paired = pairing.not_paired
         into.children_not_judged = not_judged
+
+    def child_check(
+        self, target: str, c: Site, pair: ChildPair, gradients: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]
+    ) -> Check | str:
+        """One pair of :meth:`children_checks` judged, or why it cannot be: the candidate's
+        child (or children) on the reference child's input, backward from the reference
+        child's output gradient (several: side by side along the last dimension, as their
+        outputs are), on the input gradient (several children reading one input: the sum
+        of theirs)."""
+        hidden = pair.ref[0].hidden_inputs()
+        expected_parts = [gradients.get(id(s), (None, None))[0] for s in pair.ref]
+        out_grads = [gradients.get(id(s), (None, None))[1] for s in pair.ref]
+        if "primary" not in hidden:
+            return "its call has no floating input"
+        if all(g is None for g in out_grads) or all(e is None for e in expected_parts):
+            return "no gradient reaches it"
+        if len(pair.ref) == 1 and len(pair.cand) == 1:
+            (rc,), (cc,) = pair.ref, pair.cand
+            if expected_parts[0] is None or out_grads[0] is None:
+                return "no gradient reaches it"
+            got = self.cand.backward_module(cc.module, cc, hidden, out_grads[0], parameters=False)[0]  # type: ignore[attr-defined]
+            floor = self._floor_run(
+                rc, cc, got, lambda side: side.backward_module(rc.module, rc, hidden, out_grads[0], parameters=False)[0]  # type: ignore[attr-defined]
+            )
+            if "primary" not in got:
+                return "its input gradient is not recorded"
+            return self.check(
+                target, pair.what, cc.module, expected_parts[0], got["primary"], None if floor is None else floor.get("primary")
+            )
+        # A fused child against split ones: what flows back into their shared input.
+        outputs = {id(s): s.primary_output() for s in (*pair.ref, *pair.cand)}
+        if any(out is None for out in outputs.values()):
+            return "a call returned no tensor"
+        expected = _summed([e for e in expected_parts if e is not None])
+        whole = _side_by_side(
+            [g if g is not None else torch.zeros_like(outputs[id(s)]) for s, g in zip(pair.ref, out_grads)], -1  # type: ignore[arg-type]
+        )
+
+        def backward(side: Side, sites: list[Site]) -> torch.Tensor | None:
+            """The input gradient of ``side``'s children ``sites`` on the reference's input,
+            backward from the reference's output gradient (split as their outputs are)."""
+            widths = [outputs[id(s)].shape[-1] for s in sites]  # type: ignore[union-attr]
+            parts = whole.split(widths, dim=-1) if len(sites) > 1 else [whole]
+            found = [side.backward_module(s.module, s, hidden, g, parameters=False)[0].get("primary") for s, g in zip(sites, parts)]  # type: ignore[attr-defined]
+            return None if any(f is None for f in found) else _summed(found)
+
+        got = backward(self.cand, pair.cand)
+        if got is None:
+            return "its input gradient is not recorded"
+        floor = None if self.floor is None else got if self.twin else backward(self.floor, pair.ref)
+        module = pair.cand[0].module if len(pair.cand) == 1 else f"{c.module}.{'+'.join(pair.cand_names)}"
+        return self.check(target, pair.what, module, expected, got, floor)
 
     def moe_checks(self, r: Site, c: Site, router_r: Site, router_c: Site) -> list[Check]:
         """An MoE ffn's router and experts judged apart: the candidate's router alone,
@@ -642,7 +816,7 @@ class BackwardExperiments:
         drift, drift_check = self.drift(r, c, judged=judged)
         worst = max(checks, key=lambda k: (k.diverged, k.ratio), default=None)
         if worst is not None and len(checks) > 1:
-            worst.details = {"checks": [k.to_dict() for k in checks]}
+            worst.details = {**(worst.details or {}), "checks": [k.to_dict() for k in checks]}
         return StageResult(r.stage, c.module, worst, drift, drift_check=drift_check)
 
     def block(self, pair: BlockPair, *, judged: bool) -> BlockResult:
@@ -671,6 +845,77 @@ class BackwardExperiments:
             subpaths={name: subpaths[name] for name in SUBPATHS if name in subpaths}, block=whole, drift=drift,
             order=pair.ref_block.order, unmapped=list(layout.unmapped) if layout else [], drift_check=drift_check,
         )
+
+
+@dataclass
+class ParameterPair:
+    """Candidate parameters judged against reference parameters as one gradient (names
+    below their modules): one and one, or a fused weight against split ones side by side
+    along ``dim`` (``wqkv.weight`` against ``q_proj.weight``, ``k_proj.weight`` and
+    ``v_proj.weight`` along dimension 0)."""
+
+    cand: list[str]
+    ref: list[str]
+    dim: int | None = None
+
+    @property
+    def name(self) -> str:
+        """How a check names it: ``weight``; ``w2.weight (as down_proj.weight)``; ``wqkv.weight
+        (as q_proj.weight+k_proj.weight+v_proj.weight)``."""
+        mine, theirs = "+".join(self.cand), "+".join(self.ref)
+        return mine if mine == theirs else f"{mine} (as {theirs})"
+
+
+def _module_of(side: Side) -> Callable[[str], Any]:
+    """A child's module by its path on ``side`` (its role in a pairing), ``None`` where it
+    has none."""
+
+    def module(path: str) -> Any:
+        try:
+            return side.attribute(path)
+        except (AttributeError, KeyError, ValueError, IndexError):
+            return None
+
+    return module
+
+
+def _held(module: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """The gradient ``t`` of ``module``'s parameter ``name`` as the weights' pairing holds
+    that parameter (:func:`~blockdiff.conversion.weights`): a Hugging Face ``Conv1D``'s
+    weight (``[in, out]``) transposed, as ``nn.Linear`` holds it; any other as it is."""
+    owner, _, leaf = name.rpartition(".")
+    try:
+        found = module.get_submodule(owner) if owner else module
+    except AttributeError:
+        return t
+    return t.T if leaf == "weight" and type(found).__name__ == "Conv1D" and t.dim() == 2 else t
+
+
+def _fused_dim(whole: tuple[int, ...], *parts: tuple[int, ...]) -> int | None:
+    """The one dimension along which ``parts`` side by side make ``whole``'s shape (the
+    others equal), ``None`` when there is none or more than one."""
+    if len(parts) < 2 or any(len(p) != len(whole) for p in parts):
+        return None
+    found = [
+        d for d in range(len(whole))
+        if sum(p[d] for p in parts) == whole[d] and all(p[k] == whole[k] for p in parts for k in range(len(whole)) if k != d)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _side_by_side(tensors: list[torch.Tensor], dim: int | None) -> torch.Tensor:
+    """``tensors`` concatenated along ``dim`` (one tensor: itself)."""
+    return tensors[0] if len(tensors) == 1 or dim is None else torch.cat(tensors, dim=dim)
+
+
+def _summed(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` added up in float32 (one tensor: itself)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    total = tensors[0].float()
+    for t in tensors[1:]:
+        total = total + t.to(total.device).float()
+    return total
 
 
 def _per_call(
@@ -776,4 +1021,4 @@ def _explained(back: Report, forward: Report) -> None:
             block.subpaths[name].explained_by = label
 
 
-__all__ = ["DEFAULT_LOSS", "BackwardExperiments", "Loss", "judge", "load_loss", "next_token_loss", "refuse_backward", "resolve_loss"]
+__all__ = ["DEFAULT_LOSS", "BackwardExperiments", "Loss", "ParameterPair", "judge", "load_loss", "next_token_loss", "refuse_backward", "resolve_loss"]

@@ -7,7 +7,12 @@ and blame exactly the planted block, sub-path and gradient:
     blockdiff diff samples/hf_llama.py:build samples/backward_bugs.py:fused_norm_weight_grad --backward
 
 :data:`BUGS` lists each factory with its reference and what must be blamed; :data:`CLEAN`
-the candidates that must blame nothing (activation checkpointing done right).
+the candidates that must blame nothing (activation checkpointing done right);
+:data:`PAIRING_BUGS` a router that passes no gradient at all (Hugging Face Mixtral) and
+weight-gradient bugs in a port whose weights have other names and a fused ``wqkv``
+(``samples/fused_port.py``):
+
+    blockdiff diff samples/fused_port.py:reference samples/backward_bugs.py:port_qkv_weight_grad_v_rows_dropped --backward
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 try:  # imported as samples.backward_bugs (tests) or loaded from its file path (CLI)
-    from . import hf_llama, tinylm
+    from . import fused_port, hf_llama, hf_moe, tinylm
 except ImportError:  # pragma: no cover
+    import fused_port
     import hf_llama
+    import hf_moe
     import tinylm
 
 DEFAULT_BLOCK = 1
@@ -250,6 +257,101 @@ def moe_router_weight_grad_halved(*, block: int = DEFAULT_BLOCK) -> tinylm.TinyL
     return model
 
 
+# -- a Hugging Face MoE router whose decision is detached (Hugging Face Mixtral) --------------
+
+
+def _detached_router(gate: nn.Module) -> None:
+    """``gate`` (this one router) returning its logits, routing weights and expert indices
+    ``detach()``ed: the same values, outside autograd."""
+    base = type(gate)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return tuple(t.detach() for t in base.forward(self, *args, **kwargs))
+
+    gate.__class__ = type("Detached" + base.__name__, (base,), {"forward": forward})
+
+
+def hf_moe_router_detached(*, block: int = DEFAULT_BLOCK, arch: str = "mixtral") -> nn.Module:
+    """Candidate of ``hf_moe.build``: block ``block``'s router (``mlp.gate``) returns its
+    logits, routing weights and expert indices ``detach()``ed — a port that treats the
+    routing decision as index bookkeeping outside autograd. The same forward; no gradient
+    reaches the router's weight or, through it, its input."""
+    model = hf_moe.build(arch=arch)
+    _detached_router(model.model.layers[block].mlp.gate)  # the bug
+    return model
+
+
+def hf_moe_routers_detached(*, arch: str = "mixtral") -> nn.Module:
+    """``hf_moe.build`` with every block's router detached as in
+    :func:`hf_moe_router_detached`: routers that pass no gradient on both sides when it is
+    diffed against itself (nothing may be blamed)."""
+    model = hf_moe.build(arch=arch)
+    for layer in model.model.layers:
+        _detached_router(layer.mlp.gate)
+    return model
+
+
+# -- a port's projections with hand-written backwards (samples/fused_port.py) ----------------
+
+
+class LinearWeightGrad(torch.autograd.Function):
+    """``x Wᵀ`` as a hand-written projection kernel: the forward is ``F.linear`` (the same
+    bits as ``nn.Linear``), the backward autograd's own for the input gradient and the
+    weight gradient, then the weight gradient passed through ``wrong(grad_weight, x)``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, wrong: Callable) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.wrong = wrong
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            grad_x, grad_weight = torch.autograd.grad(F.linear(*leaves), leaves, grad)
+        return grad_x, ctx.wrong(grad_weight, x), None
+
+
+def _kernel(linear: nn.Linear, name: str, wrong: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """``linear`` (this one module) computed by :class:`LinearWeightGrad` with ``wrong``."""
+    assert linear.bias is None
+
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return LinearWeightGrad.apply(x, self.weight, wrong)
+
+    linear.__class__ = type(name + type(linear).__name__, (type(linear),), {"forward": forward})
+
+
+def port_down_weight_grad_averaged(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """Candidate of ``fused_port.reference``: the Meta-style port (``fused_port.port``:
+    fused ``wqkv``, ``w1, w3, w2``), block ``block``'s down projection ``w2`` a kernel
+    whose weight gradient is averaged over the batch (divided by the batch size) where it
+    should be summed. Forward, input gradient and every other gradient right."""
+    model = fused_port.port()
+    _kernel(model.model.layers[block].feed_forward.w2, "BatchAveraged", lambda g, x: g / x.shape[0])  # the bug
+    return model
+
+
+def port_qkv_weight_grad_v_rows_dropped(*, block: int = DEFAULT_BLOCK) -> nn.Module:
+    """Candidate of ``fused_port.reference``: the port's fused ``wqkv`` in block ``block``
+    a kernel whose backward writes the weight gradient of the q and k rows only (its grid
+    sized for ``n_heads + n_kv_heads`` heads, not ``n_heads + 2 n_kv_heads``): the v rows'
+    gradient stays zero. Forward, input gradient and every other gradient right."""
+    model = fused_port.port()
+    attention = model.model.layers[block].attention
+    rows = (attention.n_heads + attention.n_kv_heads) * attention.head_dim
+
+    def wrong(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        g[rows:] = 0  # the bug
+        return g
+
+    _kernel(attention.wqkv, "VRowsDropped", wrong)
+    return model
+
+
 # factory → (reference spec, block, sub-path, what the first backward divergence compared).
 BUGS: dict[str, tuple[str, int, str, str]] = {
     "fused_norm_weight_grad": ("samples/hf_llama.py:build", DEFAULT_BLOCK, "norm", "parameter gradient: weight"),
@@ -259,6 +361,30 @@ BUGS: dict[str, tuple[str, int, str, str]] = {
     # recomputation is what differs.
     "checkpoint_recomputed_differently": ("samples/tinylm.py:build", DEFAULT_BLOCK, "unattributed", "input gradient"),
     "moe_router_detached": ("samples/tinylm.py:build_moe", DEFAULT_BLOCK, "ffn", "parameter gradient: router.weight"),
+}
+
+# Gradients the backward once refused or passed, each blamed exactly by
+# tests/test_backward_ports.py in float32 and bfloat16: factory → (reference spec, block,
+# sub-path, {candidate dtype: what the first backward divergence compared}).
+PAIRING_BUGS: dict[str, tuple[str, int, str, dict[str, str]]] = {
+    # A router that passes no gradient at all: its weight's gradient and its input's are
+    # zero. In float32 every zero gradient is 1e4 times the fixed threshold, and the MoE's
+    # check of the router's weight comes first; in bfloat16 the router's own input gradient
+    # has the smallest floor of them.
+    "hf_moe_router_detached": (
+        "samples/hf_moe.py:build", DEFAULT_BLOCK, "ffn",
+        {"float32": "parameter gradient: gate.weight", "bfloat16": "router: input gradient"},
+    ),
+    # A port's weights of other names, paired as the forward pairs them (by role, order and
+    # shape; a fused child's weight against its split counterparts side by side).
+    "port_down_weight_grad_averaged": (
+        "samples/fused_port.py:reference", DEFAULT_BLOCK, "ffn",
+        dict.fromkeys(("float32", "bfloat16"), "parameter gradient: w2.weight (as down_proj.weight)"),
+    ),
+    "port_qkv_weight_grad_v_rows_dropped": (
+        "samples/fused_port.py:reference", DEFAULT_BLOCK, "attention",
+        dict.fromkeys(("float32", "bfloat16"), "parameter gradient: wqkv.weight (as q_proj.weight+k_proj.weight+v_proj.weight)"),
+    ),
 }
 
 # factory → reference spec: nothing may be blamed.

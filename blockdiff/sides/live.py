@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..capture import Recording, Snapshots, capture, record_once
+from ..capture import Hold, Recording, Snapshots, capture, record_once
 from ..errors import PairingError
 from ..hooking import BufferCache, Hooks
 from ..hookmap import Layout
@@ -111,7 +111,7 @@ class LiveSide(SideDefaults):
     graphs: "Graphs | None" = None
 
     def record(
-        self, inputs: Inputs, store: SiteStore, *, hold: str | None, progress: Callable[[int, int], None] | None = None
+        self, inputs: Inputs, store: SiteStore, *, hold: Hold | None, progress: Callable[[int, int], None] | None = None
     ) -> Recording:
         """Run the whole model once, recording every site into ``store`` (see
         :func:`~blockdiff.capture.record_once` for ``hold``)."""
@@ -272,7 +272,8 @@ class LiveSide(SideDefaults):
         self.stepper: Any = stepper
         self._streams: dict[tuple, Any] = {}
         self._lagging: dict[tuple, list[tuple[Site, Hidden | None]]] = {}  # shadow(): the calls a stream has not run
-        self._step, self._history = 0, {}
+        self._step = 0
+        self._history: dict[str, list[tuple[int, Site, Hidden | None]]] = {}
         for side in self._precisions.values():
             side.start_decode(stepper)
 
@@ -344,7 +345,7 @@ class LiveSide(SideDefaults):
         keeps its graph in :meth:`run_block`."""
         if self.graphs is not None and self.graphs.open and cache is None and path not in self._block_paths:
             given = call.hidden_inputs() if hidden is None else hidden
-            params = [p for p in self.module(path).parameters() if p.is_floating_point()]
+            params: list[torch.Tensor] = [p for p in self.module(path).parameters() if p.is_floating_point()]
             with self._graph(path, call, given, params) as (leaves, out):
                 self.graphs.keep(path, call, given, leaves, out)
             return _detached(out)
@@ -447,7 +448,9 @@ class LiveSide(SideDefaults):
                     return _replace_all(own, recorded.output, device)
                 like = primary_tensor(template.output)
                 dtype = cast or (like.dtype if like is not None else None)
-                return replace_primary(own, replayed_copy(recorded.primary_output(), device, dtype, layout=like))
+                given = recorded.primary_output()
+                assert given is not None, f"{recorded.label}: a frozen module's record holds no output tensor"
+                return replace_primary(own, replayed_copy(given, device, dtype, layout=like))
 
             return forward
 
@@ -456,7 +459,7 @@ class LiveSide(SideDefaults):
             for rel, subpath in modules.items():
                 hooks.before(named[rel], pre(rel, subpath))
                 if frozen:
-                    hooks.replace_forward(named[rel], lambda original, rel=rel: frozen_forward(rel, original))
+                    hooks.replace_forward(named[rel], functools.partial(frozen_forward, rel))
 
         stream = self._written_stream(("block", path, frozenset(frozen or ())), call)
         if self.graphs is not None and self.graphs.open and stream is None and not frozen:
@@ -481,7 +484,7 @@ class LiveSide(SideDefaults):
 
     def record_with_gradients(
         self, inputs: Inputs, store: SiteStore, loss: Callable[[Any, Inputs], torch.Tensor], *,
-        hold: str | None, progress: Callable[[int, int], None] | None = None, parameters: bool = True,
+        hold: Hold | None, progress: Callable[[int, int], None] | None = None, parameters: bool = True,
     ) -> tuple[Recording, "Gradients | None"]:
         """:meth:`record` and :meth:`record_gradients` in one run: the forward that the
         backward differentiates is the one recorded (with autograd on, which computes the
@@ -597,7 +600,8 @@ class LiveSide(SideDefaults):
         replaced by ``hidden``, for the gradient ``grad`` of its primary output (cast to the
         output's dtype): the gradient of each floating activation, by role (in the dtype of
         ``hidden``), and, with ``parameters``, of each floating parameter of the module, by
-        name relative to it (zeros for one the output does not depend on). ``replaced``:
+        name relative to it (zeros for one the output does not depend on: all zeros for a
+        module whose output depends on none of them, a ``detach()`` in its code). ``replaced``:
         modules under ``path`` (relative paths) whose ``forward`` is ``make(original)`` for
         this one run (undone when it ends)."""
         module = self.module(path)
@@ -613,11 +617,15 @@ class LiveSide(SideDefaults):
         graph = contextlib.nullcontext(kept) if kept else self._graph(path, call, hidden, [p for _, p in params], replacing)
         with graph as (leaves, output), _requiring_grad([p for _, p in params]), torch.inference_mode(False), torch.enable_grad():
             out = primary_tensor(output)
-            if out is None or not out.requires_grad:
-                raise PairingError(f"{call.label}: the module returned no tensor that depends on its inputs or weights")
-            seed = self._seed(path, call, out, grad)
+            if out is None:
+                raise PairingError(f"{call.label}: the module returned no tensor")
             wrt = [*leaves.values(), *(p for _, p in params)]
-            grads = torch.autograd.grad(out, wrt, seed, allow_unused=True)
+            grads: tuple[torch.Tensor | None, ...]
+            if out.requires_grad:
+                grads = torch.autograd.grad(out, wrt, self._seed(path, call, out, grad), allow_unused=True)
+            else:  # its output depends on none of them (a detach(), a no-grad region): no gradient flows
+                self._seed(path, call, out, grad)  # (its shape still has to be the gradient's)
+                grads = (None,) * len(wrt)
         found = [g.detach() if g is not None else torch.zeros_like(t) for g, t in zip(grads, wrt)]
         inputs = dict(zip(leaves, found[: len(leaves)]))
         return self._whole_gradients(call, inputs, {name: g for (name, _), g in zip(params, found[len(leaves):])})
@@ -659,6 +667,24 @@ class LiveSide(SideDefaults):
         """A module backward's gradients as the record compares them: its activations' as
         they are, its parameters' on the CPU (a sharded side makes both whole)."""
         return inputs, {name: g.to("cpu") for name, g in params.items()}
+
+    def backward_child_calls(self, path: str, call: Site, hidden: Hidden | None) -> list[Site]:
+        """:meth:`child_calls` of module ``path`` on ``call`` with its activations replaced by
+        ``hidden``, for a backward's pairing of children (what its drill-down runs, whose
+        parameters pair with the reference's): run without autograd, and on a side split
+        across ranks each child's primary output made whole (a column-parallel projection's
+        local shard gathered, as its gradient is compared), so that children pair by the
+        shapes the reference's have."""
+        with torch.no_grad():
+            found = self.child_calls(path, call, hidden)
+        if not self.lockstep:
+            return found
+        for site in found:  # the same children in the same order on every rank: collectives
+            out = site.primary_output()
+            if out is not None:
+                whole = distributed.made_whole(out, self.module(site.module), self.layout.options(site.module).shard_output)
+                site.output = replace_primary(site.output, whole)
+        return found
 
     def child_gradients(
         self, path: str, call: Site, hidden: Hidden, grad: torch.Tensor, *, depth: int = 2
@@ -710,7 +736,7 @@ class LiveSide(SideDefaults):
                 hooks.before(child, pre(rel))
                 hooks.after(child, post(rel))
 
-        params = [p for p in module.parameters() if p.is_floating_point()]
+        params: list[torch.Tensor] = [p for p in module.parameters() if p.is_floating_point()]
         with self._graph(path, call, hidden, params, hooked) as (leaves, output):
             out = primary_tensor(output)
             if out is not None and out.requires_grad and out.numel() == grad.numel():
@@ -813,7 +839,7 @@ class PrecisionSide(LiveSide):
             return super().record_gradients(*args, **kwargs)
 
     def record(
-        self, inputs: Inputs, store: SiteStore, *, hold: str | None = None, progress: Callable[[int, int], None] | None = None
+        self, inputs: Inputs, store: SiteStore, *, hold: Hold | None = None, progress: Callable[[int, int], None] | None = None
     ) -> Recording:
         """The whole model's free run at this precision (the drift floors); ``hold`` as for
         :func:`~blockdiff.capture.record_once`. The experiments run the same modules again:
