@@ -65,7 +65,11 @@ def _role(path: str, module: nn.Module) -> str | None:
     """The sub-path a module inside a block plays, guessed from its name and class.
 
     Norms are tried first: ``post_attention_layernorm`` and ``pre_feedforward_layernorm``
-    are norms, not attention or FFN."""
+    are norms, not attention or FFN. A module that computes nothing (:func:`computes_nothing`:
+    litgpt's ``post_attention_norm = nn.Identity()`` when unconfigured) plays no role,
+    whatever its name."""
+    if computes_nothing(module):
+        return None
     leaf = path.rsplit(".", 1)[-1].lower()
     cls = type(module).__name__.lower()
     if "norm" in cls or _NORM_NAME.search(leaf):
@@ -77,6 +81,15 @@ def _role(path: str, module: nn.Module) -> str | None:
     if any(w in leaf or w in cls for w in _FFN_WORDS):
         return "ffn"
     return None
+
+
+def computes_nothing(module: nn.Module) -> bool:
+    """Whether ``module`` is an identity by its type and holds no parameters: ``nn.Identity``
+    (a slot a config left empty: litgpt's ``post_attention_norm``, ``post_mlp_norm``, or
+    ``norm_1`` of a block without one) or a dropout (the identity in eval mode, where every
+    run of blockdiff is). It is no site: no sub-path or stage owns it, so a model whose
+    config leaves a slot empty pairs with one that has no such slot."""
+    return isinstance(module, (nn.Identity, nn.modules.dropout._DropoutNd)) and not _has_parameters(module)
 
 
 def _has_parameters(module: nn.Module) -> bool:
@@ -240,8 +253,10 @@ def _classify_blocks(blocks: list[nn.Module]) -> list[dict[str, str]]:
     Blocks of two stacks differ (T5: ``layer.1`` is the FFN sub-layer of an encoder block
     and the cross-attention sub-layer of a decoder block). Where a path is taken whole with
     one role in one block but not in another block that has it, the path, or the ancestor
-    taken in the other block, is searched inside everywhere instead, until all agree."""
-    names = [{rel for rel, _ in b.named_modules() if rel} for b in blocks]
+    taken in the other block, is searched inside everywhere instead, until all agree. A
+    slot that computes nothing in a block (:func:`computes_nothing`: ModernBERT's first
+    ``attn_norm`` is an ``nn.Identity``) counts as absent there: the path is optional."""
+    names = [{rel for rel, m in b.named_modules() if rel and not computes_nothing(m)} for b in blocks]
     opened: set[str] = set()
     probed: dict[tuple[str, type], bool] = {}
     while True:
@@ -296,9 +311,14 @@ def detect(model: nn.Module) -> HookMap:
     subpaths: dict[str, list[str]] = {}
     seen: dict[str, int] = {}
     for found in _classify_blocks(blocks):
+        here = list(found)  # this block's modules in registration order
         for rel, role in found.items():
             if rel not in seen:
-                subpaths.setdefault(role, []).append(rel)
+                # Before those listed that come after it here: a module the first blocks
+                # lack (an identity slot there) keeps its place.
+                listed = subpaths.setdefault(role, [])
+                after = [i for i, other in enumerate(listed) if other in found and here.index(other) > here.index(rel)]
+                listed.insert(after[0] if after else len(listed), rel)
             seen[rel] = seen.get(rel, 0) + 1
     if "attention" not in subpaths and "ffn" not in subpaths:
         block_cls = type(next(modules[lists[0]].children())).__name__
