@@ -91,8 +91,10 @@ def explain(got: torch.Tensor, expected: torch.Tensor, others: dict[str, torch.T
             return f"equals the reference's {name}"
     if expected.dim() == 2 and expected.shape[0] == expected.shape[1] and _same(got, expected.T):
         return "is the reference's transposed"
-    if expected.dim() == 2 and got.shape == expected.shape and _rows_permuted(got, expected):
-        return "is the reference's with its rows permuted (a q/k head interleave of a rotary conversion?)"
+    if expected.dim() == 2 and got.shape == expected.shape:
+        order = _row_order(got, expected)
+        if order is not None:
+            return "is the reference's with its rows permuted " + _rotary_permutation(order)
     ratio = _scale(got, expected, rtol=1e-2 if lower else 1e-5)
     if ratio is not None:
         return f"is the reference's scaled by {ratio:.3g}"
@@ -102,11 +104,35 @@ def explain(got: torch.Tensor, expected: torch.Tensor, others: dict[str, torch.T
     return None
 
 
-def _rows_permuted(got: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Whether every row of ``got`` is a row of ``expected`` and they are not in order."""
+def _row_order(got: torch.Tensor, expected: torch.Tensor) -> list[int] | None:
+    """The row of ``expected`` that each row of ``got`` is, when ``got`` is ``expected``
+    with its rows permuted (not in order); else ``None``."""
     index = {tuple(row.tolist()): i for i, row in enumerate(expected)}
     order = [index.get(tuple(row.tolist())) for row in got]
-    return None not in order and sorted(order) == list(range(len(order))) and order != list(range(len(order)))
+    if None in order or sorted(order) != list(range(len(order))) or order == list(range(len(order))):
+        return None
+    return order  # type: ignore[return-value]
+
+
+def _rotary_permutation(order: list[int]) -> str:
+    """How rows in ``order`` are permuted, when it is the q/k permutation of a rotary
+    conversion (per head of ``d`` rows, between the two rotary layouts: halves
+    ``0..d/2-1 | d/2..d-1`` and interleaved pairs): the head size and the first rows;
+    else only a hint that it may be one."""
+    rows = len(order)
+    for size in range(8, rows + 1, 2):  # a head of fewer rows: a guess, not a finding
+        if rows % size:
+            continue
+        first = ", ".join(map(str, order[:4]))
+        halves = torch.arange(rows).view(rows // size, 2, size // 2).transpose(1, 2).reshape(-1).tolist()
+        if order == halves:  # rows 0, d/2, 1, d/2 + 1, ...: halves to pairs
+            return (f"the way a rotary conversion permutes q and k: in each head of {size} rows, "
+                    f"its two halves interleaved (rows {first}, ...)")
+        pairs = torch.arange(rows).view(rows // size, size // 2, 2).transpose(1, 2).reshape(-1).tolist()
+        if order == pairs:  # rows 0, 2, 4, ..., 1, 3, ...: pairs to halves
+            return (f"the way a rotary conversion permutes q and k: in each head of {size} rows, "
+                    f"its even rows, then its odd ones (rows {first}, ...)")
+    return "(a q/k head interleave of a rotary conversion?)"
 
 
 def _scale(got: torch.Tensor, expected: torch.Tensor, *, rtol: float) -> float | None:
@@ -119,17 +145,25 @@ def _scale(got: torch.Tensor, expected: torch.Tensor, *, rtol: float) -> float |
     return None
 
 
-def fused_parts(got: torch.Tensor, ref_weights: dict[str, torch.Tensor]) -> str | None:
+def fused_parts(
+    got: torch.Tensor, ref_weights: dict[str, torch.Tensor], *, others: dict[str, torch.Tensor] | None = None
+) -> str | None:
     """A fused weight (``wqkv``, ``w13``) against the reference's split ones: the
     consecutive 2-D weights of the reference module (in order) with ``got``'s input size
-    whose rows add up to ``got``'s. ``None`` when they concatenate to ``got``, or when no
-    such parts make it up in any order and none of them is in it (a weight that is not the
-    fusion of those); else what ``got`` holds: those parts in another order, or which of
-    them differs."""
-    if got.dim() != 2:
+    whose rows add up to ``got``'s; a fused bias (1-D) likewise against the reference
+    module's biases (``q_proj.bias``, ``k_proj.bias``, ``v_proj.bias``). ``None`` when they
+    concatenate to ``got``, or when no such parts make it up in any order and none of them
+    is in it (a weight that is not the fusion of those); else what ``got`` holds: those
+    parts in another order, or which of them differs — and, with ``others`` (reference
+    parameters by name, as for :func:`explain`), what each part that differs is instead
+    (:func:`explain` on the part: its rows permuted, transposed, scaled, another weight)."""
+    if got.dim() == 2:
+        names = [n for n, w in ref_weights.items() if w.dim() == 2 and w.shape[1] == got.shape[1]]
+    elif got.dim() == 1:
+        names = [n for n, w in ref_weights.items() if w.dim() == 1 and n.rsplit(".", 1)[-1] == "bias"]
+    else:
         return None
     dtype = got.dtype
-    names = [n for n, w in ref_weights.items() if w.dim() == 2 and w.shape[1] == got.shape[1]]
     for start in range(len(names)):
         rows, window = 0, []
         for name in names[start:]:
@@ -148,13 +182,23 @@ def fused_parts(got: torch.Tensor, ref_weights: dict[str, torch.Tensor]) -> str 
                 if list(order) != list(range(len(window))) and _same(mine, torch.cat([parts[i] for i in order])):
                     held = ", ".join(window[i] for i in order)
                     return f"holds the reference's {held} in that order (expected {', '.join(window)})"
-        offsets, wrong = 0, []
+        offsets, wrong, whys = 0, [], {}
         for name, part in zip(window, parts):
             if not _same(mine[offsets:offsets + part.shape[0]], part):
                 wrong.append(name)
+                why = None if others is None else explain(got[offsets:offsets + part.shape[0]], ref_weights[name], others)
+                if why is not None:
+                    whys.setdefault(why, []).append(name)
             offsets += part.shape[0]
-        if len(wrong) < len(window):  # some parts are the reference's: a fused weight, one part wrong
-            return f"differs from the reference's {', '.join(window)} concatenated, in the part of {', '.join(wrong)}"
+        # Some parts are the reference's, or each that is not is told what it is instead:
+        # the fusion of these parts, some wrong.
+        if len(wrong) < len(window) or sum(map(len, whys.values())) == len(wrong):
+            found = f"differs from the reference's {', '.join(window)} concatenated, in the part of {', '.join(wrong)}"
+            told = [
+                f"its part of {held[0]} {why}" if len(held) == 1 else f"its parts of {', '.join(held)} each {why}"
+                for why, held in whys.items()
+            ]
+            return found + (": " + "; ".join(told) if told else "")
     return None
 
 
@@ -189,7 +233,7 @@ def diagnose(ref: Side, cand: Side, report: Report) -> None:
         paired = {mine for mine, _ in paired_parameters(ref_module, cand_module)}
         for mine, got in cand_params.items():
             if mine not in paired and _plain(got):
-                fused = fused_parts(got, {n: p for n, p in ref_params.items() if _plain(p)})
+                fused = fused_parts(got, {n: p for n, p in ref_params.items() if _plain(p)}, others=everything)
                 if fused is not None:
                     found.append(f"{divergence.module}.{mine} {fused}")
         if not found:

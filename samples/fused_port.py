@@ -14,7 +14,11 @@ config). Factories: :func:`port`, :func:`port_w13`, and planted bugs in the port
 forward code (:func:`port_gelu_for_silu`, :func:`port_attention_scale`,
 :func:`port_w13_gate_up_swapped`; :func:`port_own_projections_attention_scale`, whose
 projections are of its own type) or its conversion (:func:`port_kv_swapped`,
-:func:`port_gate_up_swapped`).
+:func:`port_gate_up_swapped`; in one block's ``wqkv``: :func:`qk_rotary_permuted_in_fused_qkv`,
+q's and k's rows in llama.cpp's interleaved rotary order). With q, k and v biases
+(``ModelArgs.qkv_bias``, on ``wqkv``): :func:`reference_qkv_bias` (HF Qwen2, the same
+sizes), :func:`port_qkv_bias`, and :func:`kv_bias_swapped_in_fused_qkv` (one block's
+``wqkv.bias`` written q, v, k).
 
 **A GPT-2 port whose activation child has another name.** :func:`gpt2_port` is a second
 HF ``GPT2LMHeadModel`` with :func:`gpt2_reference`'s weights whose MLPs are the port's
@@ -26,12 +30,15 @@ Needs ``transformers``.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from blockdiff.weights import trained_looking_
 
 try:  # imported as samples.fused_port (tests) or loaded from its file path (CLI)
     from . import bugs, hf_families, port as hf_port
@@ -52,6 +59,7 @@ class ModelArgs:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     fused_ffn: bool = False  # one w13 for gate and up
+    qkv_bias: bool = False  # a bias on wqkv (Qwen2's q, k and v biases)
 
     @property
     def head_dim(self) -> int:
@@ -91,7 +99,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.n_rep = args.n_heads // args.n_kv_heads
-        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=False)
+        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.softmax_scale = 1.0 / math.sqrt(args.head_dim)
 
@@ -179,20 +187,41 @@ class FusedLM(nn.Module):
 
 
 def model_args(hf_config, *, fused_ffn: bool = False) -> ModelArgs:
-    """The port's arguments for an HF ``LlamaConfig`` (tinylm's checks of what it can port)."""
+    """The port's arguments for an HF ``LlamaConfig``, or a ``Qwen2Config`` (a Llama with
+    q, k and v biases: ``qkv_bias``), with tinylm's checks of what it can port."""
+    qkv_bias = getattr(hf_config, "model_type", None) == "qwen2"
+    if qkv_bias:  # tinylm refuses biases; the port holds these on wqkv, and Qwen2 has no others
+        hf_config = copy.copy(hf_config)
+        hf_config.attention_bias = hf_config.mlp_bias = False
     cfg = hf_port.tinylm_config(hf_config)
     return ModelArgs(
         dim=cfg.hidden, n_layers=cfg.blocks, n_heads=cfg.heads, n_kv_heads=cfg.kv_heads, vocab_size=cfg.vocab_size,
-        hidden_dim=cfg.intermediate, norm_eps=cfg.eps, rope_theta=cfg.rope_theta, fused_ffn=fused_ffn,
+        hidden_dim=cfg.intermediate, norm_eps=cfg.eps, rope_theta=cfg.rope_theta, fused_ffn=fused_ffn, qkv_bias=qkv_bias,
     )
 
 
+def gguf_rotary_order(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """``weight``'s rows (q or k, ``heads`` heads) permuted as llama.cpp's GGUF conversion
+    permutes them for its interleaved rotary (``LlamaModel.permute``): per head of ``d``
+    rows, ``0, d/2, 1, d/2 + 1, ...`` — wrong for a port whose rotary is rotate-half, as HF's."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
 def convert_hf_llama(
-    state: dict[str, torch.Tensor], args: ModelArgs, *, qkv_order: str = "qkv", gate_up_order: str = "gate,up"
+    state: dict[str, torch.Tensor],
+    args: ModelArgs,
+    *,
+    qkv_order: str = "qkv",
+    gate_up_order: str = "gate,up",
+    qk_permuted_in: tuple[int, ...] = (),
+    kv_bias_swapped_in: tuple[int, ...] = (),
 ) -> dict[str, torch.Tensor]:
-    """An HF ``LlamaForCausalLM`` state dict under the port's names: ``wqkv`` = q, k and v
-    rows concatenated (in ``qkv_order``), ``w13`` = gate and up rows (``args.fused_ffn``),
-    else ``w1`` = gate and ``w3`` = up (``gate_up_order``: which HF weight becomes which).
+    """An HF ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) state dict under the port's
+    names: ``wqkv`` = q, k and v rows concatenated (in ``qkv_order``), its bias likewise
+    (``args.qkv_bias``), ``w13`` = gate and up rows (``args.fused_ffn``), else ``w1`` =
+    gate and ``w3`` = up (``gate_up_order``: which HF weight becomes which). Mistakes in
+    the blocks listed: ``qk_permuted_in``, q's and k's rows permuted by
+    :func:`gguf_rotary_order`; ``kv_bias_swapped_in``, the bias written as q, v, k.
 
     Raises:
         KeyError: a parameter the port has no place for, or one it needs and lacks.
@@ -207,7 +236,13 @@ def convert_hf_llama(
         hf, mine = f"model.layers.{i}.", f"model.layers.{i}."
         attn = {p: state[f"{hf}self_attn.{p}_proj.weight"] for p in "qkvo"}
         mlp = {p: state[f"{hf}mlp.{p}_proj.weight"] for p in ("gate", "up", "down")}
+        if i in qk_permuted_in:
+            attn["q"], attn["k"] = gguf_rotary_order(attn["q"], args.n_heads), gguf_rotary_order(attn["k"], args.n_kv_heads)
         out[f"{mine}attention.wqkv.weight"] = torch.cat([attn[p] for p in qkv_order])
+        if args.qkv_bias:
+            bias = {p: state[f"{hf}self_attn.{p}_proj.bias"] for p in "qkv"}
+            out[f"{mine}attention.wqkv.bias"] = torch.cat([bias[p] for p in ("qvk" if i in kv_bias_swapped_in else qkv_order)])
+            used |= {f"{hf}self_attn.{p}_proj.bias" for p in "qkv"}
         out[f"{mine}attention.wo.weight"] = attn["o"]
         if args.fused_ffn:
             out[f"{mine}feed_forward.w13.weight"] = torch.cat([mlp[first], mlp[second]])
@@ -243,9 +278,29 @@ def reference(*, seed: int = 0) -> nn.Module:
     return hf_port.reference(seed=seed)
 
 
+def reference_qkv_bias(*, seed: int = 0) -> nn.Module:
+    """HF ``Qwen2ForCausalLM`` (a Llama with q, k and v biases), :func:`reference`'s sizes,
+    trained-looking weights (biases ±0.1)."""
+    import transformers
+
+    llama = hf_port.llama_config()
+    keys = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "rms_norm_eps", "rope_parameters", "hidden_act", "tie_word_embeddings",
+        "max_position_embeddings",
+    )
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{k: getattr(llama, k) for k in keys}))
+    return trained_looking_(model, seed=seed).eval()
+
+
 def port(*, seed: int = 0) -> FusedLM:
     """The port with :func:`reference`'s weights: fused ``wqkv``, ``w1, w3, w2``."""
     return port_of(reference(seed=seed))
+
+
+def port_qkv_bias(*, seed: int = 0) -> FusedLM:
+    """The port with :func:`reference_qkv_bias`'s weights: ``wqkv`` with a bias."""
+    return port_of(reference_qkv_bias(seed=seed))
 
 
 def port_w13(*, seed: int = 0) -> FusedLM:
@@ -303,6 +358,19 @@ def port_kv_swapped() -> FusedLM:
 def port_gate_up_swapped() -> FusedLM:
     """The conversion loads HF's up projection into ``w1`` (the gate) and the gate into ``w3``."""
     return port_of(reference(), gate_up_order="up,gate")
+
+
+def qk_rotary_permuted_in_fused_qkv(*, block: int = bugs.DEFAULT_BLOCK) -> FusedLM:
+    """The conversion permutes q's and k's rows for an interleaved rotary (llama.cpp's
+    GGUF permute, :func:`gguf_rotary_order`) in ``block``'s ``wqkv``, whose rotary is HF's
+    rotate-half: v and the other blocks are right."""
+    return port_of(reference(), qk_permuted_in=(block,))
+
+
+def kv_bias_swapped_in_fused_qkv(*, block: int = bugs.DEFAULT_BLOCK) -> FusedLM:
+    """The ``wqkv`` port of :func:`reference_qkv_bias` whose conversion writes ``block``'s
+    ``wqkv.bias`` as q, v, k (the weight is right)."""
+    return port_of(reference_qkv_bias(), kv_bias_swapped_in=(block,))
 
 
 class Projection(nn.Module):
