@@ -1,9 +1,10 @@
 """Site stores: where capture writes sites and where localization reads them, block by block.
 
 A store is a plain sink: the engine only uses the small interface below (``add`` while
-capturing; ``meta``, ``outside_sites`` and ``block_sites`` while localizing), so a store
-backed by an HDF5 file (:mod:`blockdiff.dump`) can stand in for the in-memory one. What a
-store is handed (copies, or the model's own tensors) is :mod:`blockdiff.capture`'s call.
+capturing; ``meta``, ``outside_sites``, ``block_sites`` and ``floors`` while localizing),
+so a store backed by an HDF5 file (:mod:`blockdiff.dump`) can stand in for the in-memory
+one. What a store is handed (copies, or the model's own tensors) is
+:mod:`blockdiff.capture`'s call.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ class SiteStore(Protocol):
     def block_sites(self, block: int) -> list[Site]: ...
 
     def outside_sites(self) -> list[Site]: ...
+
+    def floors(self) -> dict[str, Any]:
+        """The noise floors stored with the sites at capture, by precision label
+        (``bfloat16@cpu``): each a dict with ``dtype``, ``device`` and ``values``; empty
+        when there are none (a store in memory never holds any)."""
+        ...
 
 
 class MemoryStore:
@@ -54,6 +61,10 @@ class MemoryStore:
 
     def outside_sites(self) -> list[Site]:
         return list(self._outside)
+
+    def floors(self) -> dict[str, Any]:
+        """Empty: floors are stored in a dump (:meth:`~blockdiff.dump.DumpReader.floors`), never in memory."""
+        return {}
 
     def sites(self) -> list[Site]:
         """Every site: outside sites before the blocks' (embed, context), blocks, then the rest."""

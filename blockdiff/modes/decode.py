@@ -137,9 +137,9 @@ def decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
         layers = decoding.attention_layers(ref, cand)
         reports = []
         for step in range(steps + 1):
-            for side in (ref, cand, floor):
-                if side is not None and side.live:
-                    side.begin_step()  # type: ignore[attr-defined]
+            for each in (ref, cand, floor):
+                if each is not None and each.live:
+                    each.begin_step()  # type: ignore[attr-defined]
             # The reference as this step: itself, or the step of its uncached run (decoding.uncached).
             ref_step = ref_run.sides[step] if ref_run.sides else ref
             ref_step.store, cand.store = ref_run.stores[step], cand_run.stores[step]
@@ -152,13 +152,13 @@ def decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
                 decoding.add_kv_checks(blocks, found)
 
             reports.append(
-                localize(ref_step, cand, prompt, replace(options, tolerance=tolerance), free_run=lambda side, free=free: free,
+                localize(ref_step, cand, prompt, replace(options, tolerance=tolerance), free_run=lambda side: free,  # called at once, in this step
                           stateful=True, complete=complete, no_floors=NO_FLOORS)
             )
             # The reference's own calls, for the next steps' drill-downs (they replay its
             # modules' children on the cache its run held then).
             if ref_step is ref and ref.live:
-                decoding.remember(ref, ref.store)
+                decoding.remember(ref, ref_run.stores[step])
         runs = [ref_run, cand_run, *([floor_run] if floor_run is not None else [])]
         if any(recording.changed() for run in runs for recording in run.recordings):
             raise TensorChanged("a model changed a recorded tensor in place while its decode was localized")

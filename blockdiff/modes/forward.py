@@ -145,6 +145,7 @@ def offline(ref: Side, cand: Side, options: Options) -> Report:
             f"the dumps were captured on different inputs ({ref.meta['dump']}: {digest(ref_inputs)}, "
             f"{cand.meta['dump']}: {digest(cand_inputs)}); capture both on the same token ids"
         )
+    assert ref.store is not None  # a dump side holds its store from the start
     floors = ref.store.floors()
     stored = StoredFloors.of(floors, ref, cand) is not None
     tolerance = options.tolerance or Tolerance()

@@ -185,13 +185,19 @@ def _alone_inputs(model: nn.Module, ids: torch.Tensor, masked: bool) -> Any:
     return found
 
 
+def _order(report: Report) -> float:
+    """Where a report's first divergence is in execution order."""
+    first = report.first_divergence
+    return (first.check.order or 0) if first is not None else 0
+
+
 def _summed(
     found: list[tuple[int, Report]], *, count: int, lengths: list[int], padding: str | None, tolerance: float, model: str
 ) -> Report:
     """One report for every row: the row whose first divergence comes first in execution
     order, with every row's first divergence and, per divergent site, its rows."""
     diverged = [(row, report) for row, report in found if report.first_divergence is not None]
-    row, report = min(diverged, key=lambda pair: pair[1].first_divergence.check.order or 0) if diverged else found[0]
+    row, report = min(diverged, key=lambda pair: _order(pair[1])) if diverged else found[0]
     sites: dict[tuple[str, str], dict[str, Any]] = {}
     for r, each in found:
         for divergence in each.divergences:

@@ -54,6 +54,7 @@ def localize(
             knows better than "capture it with --floors".
     """
     tolerance = (options.tolerance or Tolerance()).resolved(same_dtype=ref.dtype == cand.dtype, same_device=ref.device == cand.device)
+    assert ref.store is not None, "localize needs both sides recorded"
     floors = None if ref.live else ref.store.floors()
     localizer = Localizer(
         ref, cand, tolerance, fast_path=options.fast_path, capacity_factors=options.capacity_factors,
@@ -173,7 +174,7 @@ def measure_floors(
         list(localizer.blocks())
         # Drift floors of every site, for offline comparisons (a diff judges block outputs').
         for site in [*store.outside_sites(), *(s for i in store.block_indices() for s in store.block_sites(i))]:
-            experiments.with_floor(f"drift:{describe_key(site.key)}", lambda side, site=site: experiments.free_run_floor(site))
+            experiments.with_floor(f"drift:{describe_key(site.key)}", lambda side: experiments.free_run_floor(site))  # called at once
     return experiments.measured
 
 

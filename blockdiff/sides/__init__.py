@@ -25,6 +25,7 @@ from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 
+from ..capture import Hold
 from ..hookmap import Layout
 from ..report import BlockResult, StageResult
 from ..site import Site
@@ -71,13 +72,30 @@ class Side(Protocol):
 
     name: str  # "reference" or "candidate"
     layout: Layout
-    store: SiteStore
+    store: SiteStore | None  # its record: None until ``record`` (or the engine) fills it
     meta: dict[str, Any]  # how the report describes it: model, class, device, dtype, hook_map
-    live: bool  # whether it can run experiments (a dump cannot)
-    decodes: bool  # whether it runs decode steps, each experiment with a cache of its own
-    backward_refused: str | None  # why it cannot run a backward (--backward), or None
-    lockstep: bool  # whether it runs on every rank of a launched run, in lockstep
-    not_streamed: str | None  # why it cannot be recorded into a dump (--stream), or None
+
+    # What it is, read only (a kind answers with a class attribute, a narrower one where
+    # it has one answer: a pipeline's ``backward_refused`` is a ``str``).
+    @property
+    def live(self) -> bool:
+        """Whether it can run experiments (a dump cannot)."""
+
+    @property
+    def decodes(self) -> bool:
+        """Whether it runs decode steps, each experiment with a cache of its own."""
+
+    @property
+    def backward_refused(self) -> str | None:
+        """Why it cannot run a backward (--backward), or ``None``."""
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether it runs on every rank of a launched run, in lockstep."""
+
+    @property
+    def not_streamed(self) -> str | None:
+        """Why it cannot be recorded into a dump (--stream), or ``None``."""
 
     @property
     def device(self) -> torch.device: ...
@@ -98,8 +116,9 @@ class Side(Protocol):
         """The context every run of this side needs (eval mode, compiled-code limits), entered
         once around a diff; restored after."""
 
-    def record(self, inputs: Any, store: SiteStore, *, hold: str | None, progress: Callable[[int, int], None] | None = None) -> Any:
-        """Run the whole model once, recording every site into ``store``."""
+    def record(self, inputs: Any, store: SiteStore, *, hold: Hold | None, progress: Callable[[int, int], None] | None = None) -> Any:
+        """Run the whole model once, recording every site into ``store``; ``hold``: what the
+        store gets of the model's own tensors (``None``: copies; :func:`~blockdiff.capture.record_once`)."""
 
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
         """The output of module ``path`` called with ``call``'s arguments, its

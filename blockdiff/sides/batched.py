@@ -27,6 +27,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
+from ..capture import Hold
 from ..inputs import Inputs
 from ..site import Site, iter_tensors, map_structure, replace_primary
 from ..store import MemoryStore, SiteStore
@@ -127,7 +128,7 @@ class PositionCut:
         return out
 
 
-def _put_all(batch: Any, row: Any, cut: RowCut) -> Any:
+def _put_all(batch: Any, row: Any, cut: RowCut | PositionCut) -> Any:
     """``batch`` (a recorded structure) with each of its tensors' row part replaced by the
     tensor of ``row`` in the same place (a router's whole decision: logits, weights, indices)."""
     rows = iter(list(iter_tensors(row)))
@@ -197,7 +198,7 @@ class RowSide(SideDefaults):
         return side
 
     def record(
-        self, inputs: Inputs, store: SiteStore, *, hold: str | None, progress: Callable[[int, int], None] | None = None
+        self, inputs: Inputs, store: SiteStore, *, hold: Hold | None, progress: Callable[[int, int], None] | None = None
     ) -> Any:
         """Run the whole batch (``inputs``), keep its sites, and fill ``store`` with each
         one cut to the row."""

@@ -62,6 +62,7 @@ def export_onnx(model: nn.Module, inputs: torch.Tensor | tuple, path: str | Path
     kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
     with torch.no_grad():
         program = torch.onnx.export(model.eval(), args, kwargs=kwargs, dynamo=True, optimize=False, verbose=False)
+    assert program is not None  # the dynamo exporter always returns its program (None: the legacy one's)
     program.save(str(path))
     return Path(path)
 
@@ -408,11 +409,12 @@ class OnnxSide(SideDefaults):
     def _sites(self, values: dict[str, np.ndarray]) -> list[Site]:
         """The recorded sites in the order their modules start in the graph (a block before
         its modules), keyed as the reference's hook map keys them."""
-        entries = [(stage, None, None, path) for stage, path in self.layout.outside]
-        for block in self.layout.blocks:
-            entries.append(("block", block.index, None, block.path))
-            for subpath, paths in block.subpaths.items():
-                entries.extend(("block", block.index, subpath, path) for path in paths)
+        # (stage, block index, sub-path, module path)
+        entries: list[tuple[str, int | None, str | None, str]] = [(stage, None, None, path) for stage, path in self.layout.outside]
+        for layout in self.layout.blocks:
+            entries.append(("block", layout.index, None, layout.path))
+            for name, paths in layout.subpaths.items():
+                entries.extend(("block", layout.index, name, path) for path in paths)
         start = {path: (min(self.sites[path].nodes), -len(self.sites[path].nodes)) for *_, path in entries}
         entries.sort(key=lambda e: start[e[3]])
         counters: dict[tuple, int] = {}
@@ -452,7 +454,7 @@ class OnnxSide(SideDefaults):
         recorded output is fed instead; the value reaching each module comes back too."""
         block = self.sites[path]
         feeds = self._feed(block, call, hidden)
-        by_key = {(s.subpath, s.ordinal): s for s in self._block_sites(call.block)}
+        by_key = {(s.subpath, s.ordinal): s for s in self._block_sites(call.block) if s.subpath is not None}
         for key, (recorded, own) in (frozen or {}).items():
             # The recorded output, in the dtype this graph's own value has there.
             where = self.sites[by_key[key].module]
@@ -507,6 +509,7 @@ def capture_changes_outputs(model: OnnxModel, side: OnnxSide, inputs: Any) -> fl
         side.record(inputs, MemoryStore())
     plain = model.run(side.feeds(inputs), model.output_names)
     captured = side.graph_outputs
+    assert captured is not None  # record() keeps them
     return max(float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) for a, b in zip(plain, captured))
 
 

@@ -187,9 +187,9 @@ def twin_copy(
     if classes != [(n, type(m)) for n, m in other.named_modules(remove_duplicate=False)]:
         return if_twins(made())  # not twins (the copy's modules are these): no weight compared
     target = torch.empty(0, device=device).device  # "cuda" as the copy's tensors say it: cuda:0
-    theirs = {("p", n): t for n, t in other.named_parameters(remove_duplicate=False)}
+    theirs: dict[tuple[str, str], torch.Tensor] = {("p", n): t for n, t in other.named_parameters(remove_duplicate=False)}
     theirs.update({("b", n): t for n, t in other.named_buffers(remove_duplicate=False)})
-    ours = [(("p", n), t) for n, t in model.named_parameters(remove_duplicate=False)]
+    ours: list[tuple[tuple[str, str], torch.Tensor]] = [(("p", n), t) for n, t in model.named_parameters(remove_duplicate=False)]
     ours += [(("b", n), t) for n, t in model.named_buffers(remove_duplicate=False)]
     memo: dict[int, Any] = {}
     source: dict[int, torch.Tensor] = {}  # id of our tensor -> the tensor of other's it stands for

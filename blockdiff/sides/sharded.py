@@ -12,6 +12,7 @@ hand-overs between stages are checked. The collectives themselves are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 from typing import Any, Callable
@@ -68,6 +69,7 @@ class ShardedSide(LiveSide):
         later collectives would mix the difference into every rank), with a note."""
         stages, blocks = judge()
         store = self.store
+        assert store is not None, "a side is localized once recorded"
         sites = [*store.outside_sites(), *(s for i in store.block_indices() for s in store.block_sites(i))]
         found = replica_disagreement(sites, dtype=judging.dtype)
         if found is None:
@@ -101,15 +103,18 @@ class ShardedSide(LiveSide):
 
     # -- backward (blockdiff.backward) --------------------------------------------------------
 
-    def record_gradients(self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True) -> Gradients:
+    def record_gradients(
+        self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True,
+        recorded: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> Gradients:
         """The free-running backward on every rank (:meth:`LiveSide.record_gradients`), its
         gradients whole — a local shard's gathered by the layout its site's tensor had —
         and the first gradient in backward order whose replicas differ across ranks
         (``replicas``): every rank holds each recorded gradient whole and should compute
-        the same bits, as in the forward."""
+        the same bits, as in the forward. ``recorded``: as for :meth:`LiveSide.record_gradients`."""
         # Every parameter's gradient too, for the replicas: a parameter every rank holds
         # whole (a norm's weight) whose gradient is each rank's partial sum is a split.
-        found = super().record_gradients(inputs, loss, parameters=True)
+        found = super().record_gradients(inputs, loss, parameters=True, recorded=recorded)
         for key in sorted(found.outputs):  # the same order on every rank: collectives
             path = key[0]
             declared = self.layout.options(path).shard_output
@@ -246,7 +251,9 @@ class PipelineSide(LiveSide):
             r_out, r_in = _block_site(ref, index).primary_output(), _block_site(ref, after).hidden_input()
             c_prev, c_next = _block_site(self, index), _block_site(self, after)
             c_out, c_in = c_prev.primary_output(), c_next.hidden_input()
-            if any(t is None for t in (r_out, r_in, c_out, c_in)) or r_out.shape != r_in.shape or not torch.equal(r_out, r_in):
+            if r_out is None or r_in is None or c_out is None or c_in is None:
+                continue
+            if r_out.shape != r_in.shape or not torch.equal(r_out, r_in):
                 continue
             if c_out.shape != c_in.shape:
                 raise PairingError(
@@ -277,13 +284,16 @@ def _split_dim(whole: torch.Tensor, local: torch.Tensor) -> int | None:
 
 def _block_site(side: Side, index: int) -> Site:
     """Block ``index``'s own site (its input and output) in ``side``'s record."""
+    assert side.store is not None, "a side is localized once recorded"
     return next(s for s in side.store.block_sites(index) if s.subpath is None)
 
 
 def _reference_order(reference: Side, site: Site) -> float:
     """Where the reference ran the site paired with ``site`` (checks are placed in the
     reference's order); ``site``'s own order when the reference has none."""
-    sites = reference.store.outside_sites() if site.block is None else reference.store.block_sites(site.block)
+    store = reference.store
+    assert store is not None, "a side is localized once recorded"
+    sites = store.outside_sites() if site.block is None else store.block_sites(site.block)
     return next((s.order for s in sites if s.key == site.key), site.order)
 
 
@@ -308,7 +318,9 @@ def every_rank_sites(sites: list[Any]) -> list[Any]:
         return map_opaque(obj, lambda marker: Opaque(marker.type_name, None, cache=marker.cache))
 
     sent = [dataclasses.replace(s, args=portable(s.args), kwargs=portable(s.kwargs), output=portable(s.output)) for s in sites]
-    me, found, seen = distributed.rank(), [], set()
+    me = distributed.rank()
+    found: list[Any] = []
+    seen: set[tuple] = set()
     for source, theirs in enumerate(distributed.every_rank(sent)):
         for site in sites if source == me else theirs:
             key = (site.stage, site.block, site.subpath, site.module, site.call)
@@ -324,7 +336,7 @@ def _digest(t: torch.Tensor | None) -> str:
         return ""
     data = t.detach().contiguous().cpu()
     # The tensor's own bytes, read in place (no copy of the activation).
-    return hashlib.blake2b(data.view(torch.uint8).numpy() if data.numel() else b"", digest_size=16).hexdigest()
+    return hashlib.blake2b(data.view(torch.uint8).numpy().data if data.numel() else b"", digest_size=16).hexdigest()
 
 
 def replica_disagreement(sites: list[Any], *, dtype: torch.dtype | None = None) -> tuple[Any, list[int], Metrics] | None:
@@ -382,6 +394,7 @@ def _first_split(tensors: list[torch.Tensor | None], *, dtype: torch.dtype | Non
         # a gather the others never enter).
         if len(set(digests)) == 1 or "" in digests:
             continue
+        assert t is not None  # its digest is not "" on any rank: this rank holds it
         ranks = [r for r, d in enumerate(digests) if d != digests[0]]
         parts = [torch.empty_like(t) for _ in every]
         dist.all_gather(parts, t.contiguous(), group=distributed.group_for(t))
