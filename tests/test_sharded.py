@@ -201,7 +201,7 @@ def test_a_reference_dump_replays_against_a_sharded_candidate(outcomes):
 
 
 def test_streaming_a_sharded_candidate_is_refused_clearly(outcomes):
-    assert outcomes["stream refused"]["error"].startswith("InputError: --stream and --save-dumps do not take a sharded candidate")
+    assert outcomes["stream refused"]["error"].startswith("OptionsError: stream and save_dumps do not take a sharded candidate")
 
 
 def test_assert_no_divergence_inside_a_process_group(outcomes):
