@@ -48,7 +48,7 @@ from .children import ChildPair, pair_children
 from .compare import Metrics, metrics, rel_l2
 from .conversion import paired_parameters
 from .errors import InputError, run_model_code
-from .experiments import aligned, same_arguments, same_call
+from .experiments import _module_of, aligned, same_arguments, same_call
 from .inputs import Inputs
 from .pairing import BlockPair, pair_block, pair_outside
 from .report import BlockResult, Check, Report, StageResult, SubpathResult
@@ -864,19 +864,6 @@ class ParameterPair:
         (as q_proj.weight+k_proj.weight+v_proj.weight)``."""
         mine, theirs = "+".join(self.cand), "+".join(self.ref)
         return mine if mine == theirs else f"{mine} (as {theirs})"
-
-
-def _module_of(side: Side) -> Callable[[str], Any]:
-    """A child's module by its path on ``side`` (its role in a pairing), ``None`` where it
-    has none."""
-
-    def module(path: str) -> Any:
-        try:
-            return side.attribute(path)
-        except (AttributeError, KeyError, ValueError, IndexError):
-            return None
-
-    return module
 
 
 def _held(module: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
