@@ -98,7 +98,7 @@ def run(
             device=options.devices[1] or options.devices[0], dtype=options.dtypes[1] or options.dtypes[0], like=ref,
         )
         check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
-        return modes.chosen(options, ref).run(ref, cand, inputs, options)
+        return modes.chosen(options, ref, cand).run(ref, cand, inputs, options)
 
 
 def _candidate_spec(reference: SideSpec, candidate: SideSpec | None) -> SideSpec:

@@ -185,7 +185,7 @@ class Localizer:
                 checks = self._judged(f"{where} {r.subpath} ({c.module})", lambda: moe_checks(exp, pair, r, c))
             else:
                 found = self._judged(f"{where} {r.subpath} ({c.module})", lambda: exp.module_check(r.subpath, r, c))
-                if found is not None and (found.diverged or self.drill_all) and self.ref.live:
+                if found is not None and (found.diverged or self.drill_all) and self.ref.live and self.cand.drills:
                     self._judged(  # sets found.children and what was not checked
                         f"{where} {r.subpath} ({c.module}) children", lambda: exp.children_checks(r.subpath, r, c, found)
                     )

@@ -40,9 +40,10 @@ def refuse(options: Options, kinds: Kinds) -> None:
     _refuse(options, kinds, [common_refusal, *(mode.refusal for mode in MODES)])
 
 
-def chosen(options: Options, ref: Side) -> Mode:
-    """The execution ``options`` ask for (or the opened reference: a dump of a decode)."""
-    return next(mode for mode in MODES if mode.asked(options, ref))
+def chosen(options: Options, ref: Side, cand: Side) -> Mode:
+    """The execution ``options`` ask for (or the opened sides: a dump of a decode, a
+    candidate in another runtime)."""
+    return next(mode for mode in MODES if mode.asked(options, ref, cand))
 
 
 def alone(options: Options) -> Options:

@@ -26,7 +26,7 @@ class Backward:
 
     name = "backward"
 
-    def asked(self, options: Options, ref: Side) -> bool:
+    def asked(self, options: Options, ref: Side, cand: Side) -> bool:
         return options.backward
 
     def refusal(self, options: Options, kinds: Kinds) -> OptionsError | None:

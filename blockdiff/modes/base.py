@@ -24,9 +24,9 @@ class Mode(Protocol):
 
     name: str  # how docs and errors name it: "forward", "decode", "backward"
 
-    def asked(self, options: Options, ref: Side) -> bool:
-        """Whether ``options`` (or what the opened reference holds: a dump of a decode)
-        ask for this execution."""
+    def asked(self, options: Options, ref: Side, cand: Side) -> bool:
+        """Whether ``options`` (or what the opened sides are: a dump of a decode, a
+        candidate run in another runtime) ask for this execution."""
 
     def refusal(self, options: Options, kinds: Kinds) -> OptionsError | None:
         """What this execution refuses of ``options`` on sides of ``kinds``, checked before

@@ -35,7 +35,7 @@ class Decode:
 
     name = "decode"
 
-    def asked(self, options: Options, ref: Side) -> bool:
+    def asked(self, options: Options, ref: Side, cand: Side) -> bool:
         return bool(options.decode) or decoding.stored_steps(ref) is not None
 
     def refusal(self, options: Options, kinds: Kinds) -> OptionsError | None:

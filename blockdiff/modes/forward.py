@@ -46,7 +46,7 @@ class Forward:
 
     name = "forward"
 
-    def asked(self, options: Options, ref: Side) -> bool:
+    def asked(self, options: Options, ref: Side, cand: Side) -> bool:
         return True
 
     def refusal(self, options: Options, kinds: Kinds) -> OptionsError | None:

@@ -86,6 +86,16 @@ class Side(Protocol):
         """Whether it runs decode steps, each experiment with a cache of its own."""
 
     @property
+    def replaces(self) -> bool:
+        """Whether it runs in a runtime whose modules blockdiff cannot call one at a time,
+        and is judged by one run with every site's value replaced by the reference's
+        (teacher-forced: ``replaced``, :mod:`blockdiff.modes.teacher`)."""
+
+    @property
+    def drills(self) -> bool:
+        """Whether its modules' children can be run apart (the drill-down)."""
+
+    @property
     def backward_refused(self) -> str | None:
         """Why it cannot run a backward (--backward), or ``None``."""
 
@@ -165,6 +175,8 @@ class SideDefaults:
 
     lockstep = False
     decodes = False
+    replaces = False
+    drills = True
     backward_refused: str | None = "it is not a live PyTorch model"
     not_streamed: str | None = None
     @property
