@@ -89,10 +89,7 @@ class Localizer:
         try:
             return experiment()
         except NotReplayable as exc:
-            self.notes.append(
-                f"{where}: not judged: {exc} (a dump keeps only the type of such an argument; "
-                "localize in memory, without --stream/--save-dumps, to judge it)"
-            )
+            self.notes.append(f"{where}: not judged: {exc} ({exc.advice})")
             return None
 
     def stages(self) -> Iterator[StageResult]:

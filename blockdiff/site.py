@@ -68,6 +68,11 @@ class NotReplayable(BlockdiffError):
     """A recorded argument that is not plain data was not kept (a dump holds only its
     type): the call cannot be replayed faithfully."""
 
+    # What the note on a check it kept from being judged advises.
+    advice = (
+        "a dump keeps only the type of such an argument; localize in memory, without --stream/--save-dumps, to judge it"
+    )
+
     def __init__(self, type_name: str) -> None:
         super().__init__(f"a {type_name} argument was recorded by type only and cannot be replayed")
         self.type_name = type_name

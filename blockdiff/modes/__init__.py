@@ -9,6 +9,8 @@
 ``forward.py``     one forward pass: live, replayed against a dump, or two dumps offline
 ``decode.py``      decode steps with a cache, each step localized; decode dumps
 ``backward.py``    the forward, then its gradients localized from the head to the embedding
+``teacher.py``     a candidate in another runtime (llama.cpp, MLX): runs with the reference's
+                   values substituted site by site
 ``invariance.py``  each row of a batch alone against itself inside the batch
 =================  ===========================================================================
 
@@ -27,11 +29,12 @@ from .base import Mode
 from .decode import Decode
 from .forward import Forward
 from .options import Kinds, Options, common_refusal
+from .teacher import TeacherForced
 from .options import refuse as _refuse
 
 # The executions, in the order they are asked whether the options are theirs: the first
 # that says yes runs (the forward always does).
-MODES: tuple[Mode, ...] = (Backward(), Decode(), Forward())
+MODES: tuple[Mode, ...] = (Backward(), Decode(), TeacherForced(), Forward())
 
 
 def refuse(options: Options, kinds: Kinds) -> None:

@@ -21,7 +21,7 @@ The localizer (:mod:`blockdiff.localize`) and the experiments never branch on th
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
 import torch
 
@@ -30,6 +30,10 @@ from ..hookmap import Layout
 from ..report import BlockResult, StageResult
 from ..site import Site
 from ..store import SiteStore
+
+if TYPE_CHECKING:  # the roles a side may hold, declared beside their implementations
+    from .gradients import GradientRuns
+    from .stepping import Stepping
 
 # Activations by role ("primary", "encoder_hidden_states", "arg3", ...), as Site.hidden_inputs.
 Hidden = dict[str, torch.Tensor]
@@ -62,10 +66,9 @@ class Side(Protocol):
     Who: ``name``, ``meta``, ``layout``, ``device``, ``dtype``, ``lockstep``, ``versions``.
     Sites: ``store``, filled by ``record`` on the ``inputs`` it takes. Experiments: ``call_module``, ``run_block``, ``child_calls``,
     ``attribute`` — a side that cannot run (``live`` false) is judged on drift only;
-    ``decodes``: it runs decode steps with caches of its own (a live PyTorch model:
-    :class:`~blockdiff.sides.live.LiveSide`'s decode members, docs/decode.md);
-    ``backward_refused``: why it cannot run a backward (``None``: it has
-    ``record_gradients``, ``backward_module`` and ``child_gradients``, docs/backward.md).
+    ``decodes``: it runs decode steps with caches of its own (``stepping()``, a live
+    PyTorch model's, docs/decode.md); ``backward_refused``: why it cannot run a backward
+    (``None``: ``gradient_runs()``, docs/backward.md).
     Precision: ``in_precision`` (the noise floor's side), ``runs_as``. Running: ``running``
     (the context its runs need), ``not_streamed``. Completing: ``holds``, ``localized``.
     """
@@ -130,6 +133,11 @@ class Side(Protocol):
         """Run the whole model once, recording every site into ``store``; ``hold``: what the
         store gets of the model's own tensors (``None``: copies; :func:`~blockdiff.capture.record_once`)."""
 
+    def replaced_runs(self, inputs: Any, reference: SiteStore) -> tuple[SiteStore, SiteStore]:
+        """A side that ``replaces``: its runs on ``inputs`` with the values of ``reference``
+        substituted — at every site, and at the block outputs only — each recorded as it
+        computed them (:mod:`blockdiff.sides.replaced`)."""
+
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
         """The output of module ``path`` called with ``call``'s arguments, its
         activations replaced by ``hidden`` (cast to the call's own dtypes)."""
@@ -167,6 +175,15 @@ class Side(Protocol):
         other ranks judged (a pipeline stage), the replica check (a sharded model), a note
         on what recording changed (an ONNX graph). Most sides return ``judge()``."""
 
+    # The roles a side holds beyond the forward experiments; ``None``: it has none.
+    def stepping(self) -> Stepping | None:
+        """Its decode steps (``decodes``): each experiment's cache, carried from step to step
+        (:class:`~blockdiff.sides.stepping.DecodeStepper`)."""
+
+    def gradient_runs(self) -> GradientRuns | None:
+        """Its backward (``backward_refused`` is ``None``): its model's free-running backward
+        and a module's (:class:`~blockdiff.sides.gradients.GradientRunner`)."""
+
 
 class SideDefaults:
     """The protocol's members most sides answer alike: runs alone, can be streamed, needs no
@@ -192,6 +209,9 @@ class SideDefaults:
     def attribute(self, path: str) -> Any:
         return None
 
+    def replaced_runs(self, inputs: Any, reference: SiteStore) -> tuple[SiteStore, SiteStore]:
+        raise NotImplementedError(f"the {getattr(self, 'name', 'side')} does not run with replaced values")
+
     def in_precision(self, dtype: torch.dtype, device: torch.device) -> "Side | None":
         return None
 
@@ -203,6 +223,12 @@ class SideDefaults:
 
     def localized(self, judging: Judging, judge: Callable[[], Judged]) -> Judged:
         return judge()
+
+    def stepping(self) -> Stepping | None:
+        return None
+
+    def gradient_runs(self) -> GradientRuns | None:
+        return None
 
 
 def received_dtype(role: str, own: dict[str, torch.Tensor], cast: torch.dtype | None = None) -> torch.dtype | None:

@@ -28,14 +28,14 @@ from ..autodetect import resolve
 from ..errors import InputError, run_model_code
 from ..hookmap import HookMap, layout_from_dict
 from ..loading import ACCEPTED, WEIGHT_SUFFIXES, build_model
-from . import Side, dump, onnx
+from . import Side, dump, gguf, mlx, onnx
 from .live import LiveSide
 from .sharded import PipelineSide, ShardedSide
 
 # The kinds a spec other than a PyTorch model can be, asked in order: each module says
 # whether it ``claims`` a spec (before anything is built, and what a factory returned) and
 # gives its side (``opened``). A new kind of side is its file and one entry here.
-KINDS = (dump, onnx)
+KINDS = (dump, onnx, gguf, mlx)
 
 
 def kind_of(spec: Any) -> str:
