@@ -81,40 +81,52 @@ def _tokenizer(folder: Path) -> None:
     }))
 
 
-def build(seed: int = SEED):
+def build(seed: int = SEED, arch: str = "llama"):
     """The reference model, built in memory (what :func:`saved` writes)."""
     from samples.hf_llama import build as llama
 
-    return llama(seed=seed, vocab_size=VOCAB)
+    return llama(seed=seed, arch=arch, vocab_size=VOCAB)
 
 
-def saved(seed: int = SEED) -> Path:
+def saved(seed: int = SEED, arch: str = "llama") -> Path:
     """The reference saved with ``save_pretrained`` (and its tokenizer) into a directory."""
 
     def write(folder: Path) -> None:
         folder.mkdir()
-        build(seed).save_pretrained(folder)
+        build(seed, arch).save_pretrained(folder)
         _tokenizer(folder)
 
-    return _once(_home() / f"llama-{seed}", write)
+    return _once(_home() / f"{arch}-{seed}", write)
 
 
-def reference():
+def reference(arch: str = "llama"):
     """The reference, loaded back from its directory as a user's would be."""
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(saved(), dtype="float32").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(saved(arch=arch), dtype="float32").eval()
+
+
+def reference_qwen2():
+    """The same anatomy as Qwen2 (attention biases), saved by transformers 5: its config keeps
+    the rotary base in ``rope_parameters``."""
+    return reference("qwen2")
 
 
 # -- MLX ------------------------------------------------------------------------------
 
 
-def mlx_model():
+def mlx_model(arch: str = "llama"):
     """The reference's directory loaded by mlx-lm."""
     from mlx_lm.utils import load_model
 
-    model, _ = load_model(saved())
+    model, _ = load_model(saved(arch=arch))
     return model
+
+
+def mlx_qwen2():
+    """:func:`reference_qwen2`'s directory loaded by mlx-lm, which reads ``rope_theta`` and
+    not ``rope_parameters``: it computes with its Qwen2 default, 1e6 (not a planted bug)."""
+    return mlx_model("qwen2")
 
 
 def mlx_attention_scale(block: int = DEFAULT_BLOCK):

@@ -138,6 +138,16 @@ def test_planted_mlx_mistake_blamed_on_its_block_and_subpath(mlx, bug):
     assert blamed(report) == runtimes.MLX_BUGS[bug]
 
 
+def test_mlx_lm_rotary_base_it_does_not_read_is_blamed_with_why(mlx):
+    """Not planted: mlx-lm 0.32 reads ``rope_theta`` where transformers 5 writes
+    ``rope_parameters``, and its Qwen2 falls back to 1e6 against the config's 1e4."""
+    report = run(f"{SAMPLE}:reference_qwen2", runtimes.mlx_qwen2)
+    assert blamed(report) == (0, "attention")
+    assert all(block.subpaths["attention"].checks[0].diverged for block in report.blocks)
+    assert not any(c.diverged for b in report.blocks for name, sub in b.subpaths.items() if name != "attention" for c in sub.checks)
+    assert any("model.args.rope_theta = 1e+06" in note and "rope_theta = 10000" in note for note in report.notes)
+
+
 def test_mlx_attention_scale_through_the_cli(mlx):
     out = blockdiff_process("diff", REFERENCE, f"{SAMPLE}:mlx_attention_scale")
     assert out.returncode == 1, out.stdout + out.stderr

@@ -32,7 +32,7 @@ import torch
 from ..errors import InputError
 from ..site import SiteKey
 from . import Judged, Judging, Side
-from .replaced import RuntimeSide, Tap, Values, mirrored
+from .replaced import RuntimeSide, Tap, Values, mirrored, settings_notes
 
 # An architecture's tensor names for the reference's anatomy, ``{i}`` the block: the site
 # whose output each tensor is, and the tensor that is its hidden input. ``embed`` has
@@ -238,16 +238,11 @@ class GgufSide(RuntimeSide):
                 f"the GGUF's weights are {weights}: each check is judged against the reference's own code in "
                 f"{self.meta['dtype']} (calibrated floors)"
             )
-        config = self.reference.attribute("config")
-        for name, value in self.model.settings().items():
-            theirs = _config_value(config, name)
-            if theirs is not None and not np.isclose(value, theirs, rtol=1e-6, atol=0.0):
-                key = next(k for k, v in SETTINGS.items() if v == name).format(arch=self.model.architecture)
-                judging.notes.append(
-                    f"the GGUF's metadata says {key} = {value:g}, the reference's config {name} = {theirs:g}: "
-                    "llama.cpp computes with the file's value"
-                    + (" (the rotary embedding inside every attention)" if name == "rope_theta" else "")
-                )
+        own = {
+            name: (next(k for k, v in SETTINGS.items() if v == name).format(arch=self.model.architecture), value)
+            for name, value in self.model.settings().items()
+        }
+        judging.notes.extend(settings_notes(own, self.reference.attribute("config"), "the GGUF's metadata says"))
         return judged
 
     def replaced(self, inputs: Any, values: Values) -> dict[str, torch.Tensor]:
@@ -316,15 +311,6 @@ class GgufSide(RuntimeSide):
         finally:
             api.llama_batch_free(batch)
             api.llama_free(context)
-
-
-def _config_value(config: Any, name: str) -> float | None:
-    """A number of a Hugging Face config; ``rope_theta`` also where transformers 5 keeps it
-    (``rope_parameters``)."""
-    found = getattr(config, name, None)
-    if found is None and name == "rope_theta":
-        found = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
-    return float(found) if isinstance(found, (int, float)) else None
 
 
 def _reference_vocabulary(reference: Side) -> int | None:

@@ -15,16 +15,18 @@ Needs ``mlx`` (``pip install "blockdiff[mlx]"``: ``mlx[cpu]`` and ``mlx-lm`` on 
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ..errors import InputError
 from ..site import SiteKey
-from . import Side
-from .replaced import RuntimeSide, Tap, Values, mirrored
+from . import Judged, Judging, Side
+from .replaced import RuntimeSide, Tap, Values, mirrored, settings_notes
 
+# The settings of an mlx-lm model's arguments compared with the reference's config.
+SETTINGS = ("rope_theta", "rms_norm_eps", "num_attention_heads", "num_key_value_heads")
 # MLX dtypes by name, as torch dtypes.
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -103,6 +105,21 @@ class MlxSide(RuntimeSide):
             except PackageNotFoundError:
                 pass
         return found
+
+    def localized(self, judging: Judging, judge: Callable[[], Judged]) -> Judged:
+        """``judge()``, with a note for each number of the MLX model's arguments (mlx-lm's
+        ``model.args``) that is not the reference config's: mlx-lm reads some settings under
+        older names only (transformers 5 keeps ``rope_theta`` in ``rope_parameters``), and a
+        default it falls back to shows as every attention diverging."""
+        judged = judge()
+        args = getattr(self.model, "args", None)
+        own = {
+            name: (f"model.args.{name}", float(value))
+            for name in SETTINGS
+            if isinstance(value := getattr(args, name, None), (int, float)) and not isinstance(value, bool)
+        }
+        judging.notes.extend(settings_notes(own, self.reference.attribute("config"), "the MLX model's"))
+        return judged
 
     def replaced(self, inputs: Any, values: Values) -> dict[str, torch.Tensor]:
         mx = _mlx()

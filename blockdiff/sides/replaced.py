@@ -240,6 +240,31 @@ def mirrored(reference: Layout, exposed: Callable[[str, SiteKey], Tap | None], n
     return Layout(hook_map, outside, blocks), taps
 
 
+def config_value(config: Any, name: str) -> float | None:
+    """A number of a Hugging Face config; ``rope_theta`` also where transformers 5 keeps it
+    (``rope_parameters``)."""
+    found = getattr(config, name, None)
+    if found is None and name == "rope_theta":
+        found = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    return float(found) if isinstance(found, (int, float)) and not isinstance(found, bool) else None
+
+
+def settings_notes(own: dict[str, tuple[str, float]], config: Any, whose: str) -> list[str]:
+    """A note for each number a runtime computes with (``own``: the reference config's name
+    → (where the runtime keeps it, its value)) that is not the reference config's: a
+    conversion can get one wrong without changing a weight."""
+    notes = []
+    for name, (where, value) in own.items():
+        theirs = config_value(config, name)
+        if theirs is None or abs(value - theirs) <= 1e-6 * abs(theirs):
+            continue
+        notes.append(
+            f"{whose} {where} = {value:g}, the reference's config {name} = {theirs:g}: the candidate computes with its own"
+            + (" (the rotary embedding inside every attention)" if name == "rope_theta" else "")
+        )
+    return notes
+
+
 class NotExposed(NotReplayable):
     """A site the runtime computes but does not expose (fused into another operation): its
     check cannot be run, and is not judged."""
@@ -334,6 +359,6 @@ class TeacherForced(SideDefaults):
 
 
 __all__ = [
-    "BLOCKS", "EVERY", "NotExposed", "Replacing", "RuntimeSide", "TeacherForced", "Tap", "Unchanged", "Values", "mirrored",
-    "record_taps", "reference_sites", "sites",
+    "BLOCKS", "EVERY", "NotExposed", "Replacing", "RuntimeSide", "TeacherForced", "Tap", "Unchanged", "Values",
+    "config_value", "mirrored", "record_taps", "reference_sites", "settings_notes", "sites",
 ]
