@@ -297,6 +297,10 @@ def diff_command(
                           experiments (a graph exported by torch.onnx.export(...,
                           dynamo=True) on inputs shaped like --batch/--seq;
                           docs/runtimes.md)
+    model      .gguf      llama.cpp candidate, localized by runs with the
+                          reference's values substituted site by site
+                          (pip install "blockdiff[llamacpp]"); an MLX model
+                          from a factory likewise ("blockdiff[mlx]")
 
     A sharded CANDIDATE (tensor, sequence, expert or pipeline parallel) runs under a
     launcher: every rank runs blockdiff, rank 0 reports (docs/sharded.md).
@@ -320,6 +324,9 @@ def diff_command(
       blockdiff diff samples/tinylm.py:build \\
           samples/backward_bugs.py:fused_norm_weight_grad --backward
       blockdiff diff samples/tinylm.py:build tinylm.onnx --batch 2 --seq 16
+      blockdiff diff hf_model_dir model-q8_0.gguf --rank 10
+      blockdiff diff samples/runtimes.py:reference \\
+          samples/runtimes.py:mlx_attention_scale
       blockdiff diff samples/tinylm.py:build samples/bugs.py:post_norm \\
         --plot bug.png --html bug.html
       torchrun --nproc-per-node 2 -m blockdiff diff \\

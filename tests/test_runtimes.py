@@ -159,3 +159,17 @@ def test_missing_mlx_names_the_extra(mlx, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlx.core", None)
     with pytest.raises(InputError, match=r'pip install "blockdiff\[mlx\]"'):
         run(REFERENCE, lambda: model)
+
+
+@pytest.mark.parametrize(
+    "flags, refusal",
+    [
+        (["--decode", "2"], "the candidate cannot run --decode"),
+        (["--backward"], "the candidate cannot run a backward"),
+        (["--stream"], "--stream and --save-dumps do not take a candidate run in another runtime"),
+    ],
+)
+def test_executions_a_gguf_cannot_run_are_refused_in_one_line(clean_gguf, flags, refusal):
+    out = blockdiff_process("diff", REFERENCE, str(clean_gguf), *flags)
+    assert out.returncode == 2
+    assert refusal in out.stderr + out.stdout
