@@ -108,6 +108,24 @@ def test_gguf_architecture_without_a_map_is_refused(clean_gguf, monkeypatch):
         run(REFERENCE, str(clean_gguf))
 
 
+def test_a_tensor_the_runtime_fuses_away_is_not_judged_never_blamed(clean_gguf, monkeypatch):
+    """A map naming a tensor llama.cpp never hands the callback (as a fused operation would
+    not): that site is not judged, and neither is the attention whose input it is (never
+    replaced, so not the reference's) — a bug in the fused norm is the block's, unattributed,
+    not the attention's."""
+    from blockdiff.sides import gguf
+
+    fused = {**gguf.LLAMA, ("norm", 0): ("attn_norm_fused-{i}", "{previous}"), ("attention", 0): ("attn_out-{i}", "attn_norm_fused-{i}")}
+    monkeypatch.setattr(gguf, "ARCHITECTURES", {"llama": fused})
+    clean = run(REFERENCE, str(clean_gguf))
+    assert blamed(clean) is None
+    assert all(block.subpaths["attention"].status == "not_judged" for block in clean.blocks)
+    assert any("exposes no value for block 0 norm (attn_norm_fused-0)" in note for note in clean.notes)
+    buggy = run(REFERENCE, str(runtimes.gguf("f32", "norm_from_other")))
+    assert blamed(buggy) == (1, "unattributed")
+    assert not any(c.diverged for b in buggy.blocks for sub in b.subpaths.values() for c in sub.checks)
+
+
 def test_missing_llama_cpp_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     path = tmp_path / "model.gguf"

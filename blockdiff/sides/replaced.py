@@ -90,25 +90,28 @@ class Replacing(Protocol):
 def sites(
     taps: Iterable[Tap], values: dict[str, torch.Tensor], reference: dict[SiteKey, Site], received: Values | None = None
 ) -> list[Site]:
-    """The sites of one run of a runtime from the values it recorded: each tap whose output
-    it recorded, in the reference's order and with the reference's call numbering. A tap's
-    input is what its module received: a value the run overwrote (``received``) is the
-    reference's; a tap with no recorded input takes the reference's."""
+    """The sites of one run of a runtime from the values it recorded, in the reference's
+    order and with the reference's call numbering. A tap's input is what its module
+    received: a value the run overwrote (``received``) is the reference's; a tap with no
+    input of its own (the embedding's token ids) takes the reference's. A value the runtime
+    never handed over (fused into another operation) leaves the site without it: an output
+    missing makes the site's checks not judged (:class:`NotExposed`), an input missing keeps
+    it out of the comparisons that read it."""
     found = []
     for tap in taps:
-        out, ref = values.get(tap.output), reference.get(tap.key)
-        if out is None or ref is None:
+        ref = reference.get(tap.key)
+        if ref is None:
             continue
-        given = None
+        out = values.get(tap.output)
+        args: tuple = (ref.hidden_input(),)
         if tap.input is not None:
-            given = received(tap.input) if received is not None else None
-            given = values.get(tap.input) if given is None else given
-        if given is None:
-            given = ref.hidden_input()
+            given = values.get(tap.input)
+            if given is not None and received is not None:
+                substituted = received(tap.input)
+                given = given if substituted is None else substituted
+            args = () if given is None else (given,)
         key = tap.key
-        found.append(
-            Site(key.stage, key.block, key.subpath, tap.module, ref.call, key.ordinal, args=(given,), output=out, order=ref.order)
-        )
+        found.append(Site(key.stage, key.block, key.subpath, tap.module, ref.call, key.ordinal, args=args, output=out, order=ref.order))
     return found
 
 
@@ -327,14 +330,20 @@ class TeacherForced(SideDefaults):
         return self.runtime.record(inputs, store, hold=hold, progress=progress)
 
     def call_module(self, path: str, call: Site, hidden: Hidden | None = None) -> Any:
-        return self._site(EVERY, call.key, call.label).output
+        found = self._site(EVERY, call.key, call.label)
+        if found.primary_output() is None:
+            raise NotExposed(call.label, self._runtime_name)
+        if not found.args:  # its input was never handed over, so never replaced: not the reference's
+            raise NotExposed(f"the input of {call.label}", self._runtime_name)
+        return found.output
 
     def run_block(
         self, path: str, call: Site, hidden: Hidden | None, modules: dict[str, str], frozen: Frozen | None
     ) -> tuple[torch.Tensor, dict[tuple[str, int], torch.Tensor]]:
         if not frozen:
             out = self._site(BLOCKS, call.key, call.label).primary_output()
-            assert out is not None
+            if out is None:
+                raise NotExposed(call.label, self._runtime_name)
             return out, {}
         store = self._runs[EVERY]
         assert call.block is not None
