@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from blockdiff import Options, run  # noqa: E402
-from blockdiff.backward import next_token_loss  # noqa: E402
+from blockdiff.loss import next_token_loss  # noqa: E402
 
 
 def build(blocks: int, *, other_code: bool = False) -> torch.nn.Module:

@@ -3,7 +3,7 @@
 After the forward diff (``--backward``), both sides run forward and backward once on the
 same inputs and the same loss (next-token cross-entropy on the input ids unless a
 ``--loss`` is given), in eval mode (dropout off), every floating parameter requiring grad
-(:meth:`~blockdiff.sides.live.LiveSide.record_gradients`). Each site's output gradient,
+(:meth:`~blockdiff.sides.gradients.GradientRunner.record_gradients`). Each site's output gradient,
 its input gradient (the share that flows back through that call alone) and every
 parameter's gradient are recorded. Then, per site, in backward execution order (head to
 embedding; a block's modules last to first, then its residual):
@@ -11,9 +11,9 @@ embedding; a block's modules last to first, then its residual):
 - **module** (attention, ffn, each norm, and the stages): the candidate's module run on the
   reference's input and backward from the **reference's** output gradient; its input
   gradient and each of its parameter gradients against the reference's, paired as the
-  forward pairs weights and children (``conversion.paired_parameters``, then
-  ``children.pair_children``: a port's ``wqkv`` as ``q_proj+k_proj+v_proj``), what pairs
-  with nothing named; a module that passes no gradient at all gets zeros, judged;
+  forward pairs weights and children (:mod:`~blockdiff.backward_pairing`: a port's ``wqkv``
+  as ``q_proj+k_proj+v_proj``), what pairs with nothing named; a module that passes no
+  gradient at all gets zeros, judged;
 - **residual**: the candidate's block on the reference's input with every sub-path module
   replaced by the reference's own module (forward and backward), backward from the
   reference's block-output gradient; the block's input gradient against the reference's;
@@ -33,134 +33,64 @@ forward causes everywhere, is not judged after a forward divergence. docs/backwa
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Callable, TypeVar
+from dataclasses import replace
+from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from . import distributed
-from .capture import Recording
-from .children import ChildPair, pair_children
+from .backward_pairing import GradientPairing, answered_by, frozen_routing, held, probed, side_by_side, summed
+from .capture import Hold, Recording
+from .children import ChildPair
 from .compare import Metrics, metrics, rel_l2
-from .conversion import paired_parameters
 from .errors import InputError, run_model_code
-from .experiments import _module_of, aligned, same_arguments, same_call
+from .experiments import aligned, same_call
 from .inputs import Inputs
+from .loss import Loss, resolve_loss
 from .pairing import BlockPair, pair_block, pair_outside
 from .report import BlockResult, Check, Report, StageResult, SubpathResult
-from .sides import Side
-from .sides.live import Gradients, Graphs, ReplicaSplit
+from .sides import GradientRuns, Replaced, Side
+from .sides.gradients import Gradients, ReplicaSplit
 from .sides.precision import twins
-from .site import Site, describe_key, for_replay, hidden_states, iter_tensors, map_structure, primary_tensor, replace_primary, with_hidden
+from .site import Site, describe_key, with_hidden
 from .tolerance import Threshold, Tolerance, working_dtype
 from .vocab import DRIFT, INPUT_GRADIENT, PARAMETER_GRADIENT, REPLICAS, SUBPATHS, UNATTRIBUTED, reported_subpath
 
-# A loss as blockdiff calls it: the model's output and the inputs it ran on → a scalar.
-Loss = Callable[[Any, Inputs], torch.Tensor]
-
-DEFAULT_LOSS = "next-token cross-entropy on the input ids"
 GRADIENT_DRIFT = "gradient drift"
 EXPERTS_GRADIENT = "experts (routing frozen at the reference's): input gradient"
 
-T = TypeVar("T")
 
-
-def next_token_loss(output: Any, inputs: Inputs) -> torch.Tensor:
-    """The default loss: mean cross-entropy of the logits at each position against the next
-    input token (``logits[:, :-1]`` against ``ids[:, 1:]``), in float32.
+def gradient_runs(side: Side) -> GradientRuns:
+    """``side``'s backward (``Side.gradient_runs``).
 
     Raises:
-        InputError: the output holds no ``[batch, tokens, vocab]`` logits, or the inputs no
-            token ids: give a loss (``--loss module:function``).
+        InputError: the one refusal of a side that cannot run a backward (a dump, an ONNX
+            graph, a pipeline: ``Side.backward_refused``), naming why.
     """
-    logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
-    if logits is None and isinstance(output, (tuple, list)) and output:
-        logits = output[0]
-    ids = inputs if isinstance(inputs, torch.Tensor) else None
-    if isinstance(inputs, dict):
-        ids = inputs.get("input_ids")
-    elif isinstance(inputs, tuple) and inputs and isinstance(inputs[0], torch.Tensor):
-        ids = inputs[0]
-    if (
-        not isinstance(logits, torch.Tensor) or ids is None or ids.is_floating_point()
-        or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape) or ids.shape[1] < 2
-    ):
-        found = list(logits.shape) if isinstance(logits, torch.Tensor) else type(output).__name__
+    found = side.gradient_runs() if side.backward_refused is None else None
+    if found is None:
         raise InputError(
-            f"--backward's default loss ({DEFAULT_LOSS}) needs token ids [batch, tokens >= 2] and logits "
-            f"[batch, tokens, vocab]; found logits {found}: give a loss with --loss module:function"
+            f"the {side.name} cannot run a backward: {side.backward_refused or 'it runs no gradients'} "
+            "(--backward needs live PyTorch models on both sides, in one process or tensor-parallel)"
         )
-    if int(ids.max()) >= logits.shape[-1]:
-        raise InputError(
-            f"--backward's default loss ({DEFAULT_LOSS}): the output's last dimension ({logits.shape[-1]}) is not a "
-            f"vocabulary holding the input ids (up to {int(ids.max())}): give a loss with --loss module:function"
-        )
-    ids = ids.to(logits.device)
-    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
-def load_loss(spec: str) -> Loss:
-    """The loss a ``--loss`` spec names: ``path/to/file.py:function`` or
-    ``package.module:function``, a callable ``function(output, inputs)`` returning a scalar.
-
-    Raises:
-        InputError: a malformed spec, or a file, module or function that is not there.
-    """
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name.isidentifier():
-        raise InputError(f"--loss {spec!r}: expected path/to/file.py:function or package.module:function")
-    try:
-        if target.endswith(".py") or "/" in target:
-            path = Path(target)
-            if not path.is_file():
-                raise InputError(f"--loss {spec!r}: no such file {target}")
-            found = importlib.util.spec_from_file_location(f"blockdiff_loss_{path.stem}", path)
-            assert found is not None and found.loader is not None
-            module = importlib.util.module_from_spec(found)
-            found.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except InputError:
-        raise
-    except Exception as exc:
-        raise InputError(f"--loss {spec!r}: cannot load {target} ({type(exc).__name__}: {exc})") from None
-    loss = getattr(module, name, None)
-    if not callable(loss):
-        raise InputError(f"--loss {spec!r}: {target} has no function {name!r}")
-    return loss
-
-
-def resolve_loss(loss: str | Loss | None) -> tuple[Loss, str]:
-    """The loss to run and how the report names it."""
-    if loss is None:
-        return next_token_loss, DEFAULT_LOSS
-    if isinstance(loss, str):
-        return load_loss(loss), loss
-    return loss, getattr(loss, "__name__", type(loss).__name__)
+    return found
 
 
 def refuse_backward(*sides: Side) -> None:
-    """Raises :class:`InputError` for a side that cannot run a backward (a dump, an ONNX
-    graph, a pipeline: ``Side.backward_refused``), before anything runs."""
+    """Raises :class:`InputError` for a side that cannot run a backward
+    (:func:`gradient_runs`), before anything runs."""
     for side in sides:
-        if side.backward_refused is not None:
-            raise InputError(
-                f"the {side.name} cannot run a backward: {side.backward_refused} "
-                "(--backward needs live PyTorch models on both sides, in one process or tensor-parallel)"
-            )
+        gradient_runs(side)
 
 
 class Recorder:
     """The forward records of a backward diff, each with its side's free-running backward:
-    a live model run eagerly in one process is recorded by :meth:`LiveSide.record_with_gradients`, one run
-    for the forward diff's record and the backward's gradients (the reference with its
-    parameters' gradients, the candidate and the floor side without), kept in
-    :attr:`gradients` by side; the candidate's and the floor side's module experiments in
-    the forward diff keep their graphs for the backward's (:class:`~blockdiff.sides.live.Graphs`).
+    a live model run eagerly in one process is recorded by its gradient runner's
+    ``record_with_gradients``, one run for the forward diff's record and the backward's
+    gradients (the reference with its parameters' gradients, the candidate and the floor
+    side without), kept in :attr:`gradients` by side; the candidate's and the floor side's
+    module experiments in the forward diff keep their graphs for the backward's
+    (:class:`~blockdiff.sides.gradients.Graphs`).
     Any other side records as it would (its gradients are recorded apart by :func:`judge`).
     The loss is resolved before anything runs.
 
@@ -172,18 +102,19 @@ class Recorder:
         self.ref = ref
         self.loss, self.named = resolve_loss(loss)
         self.gradients: dict[int, Gradients] = {}
-        self.kept: list[Side] = []  # the sides whose module experiments keep their graphs (Graphs)
+        self.kept: list[GradientRuns] = []  # the sides whose module experiments keep their graphs
 
-    def record(self, side: Side, inputs: Inputs, store: Any, *, hold: str | None, progress: Any) -> Recording:
-        recording, found = side.record_with_gradients(  # type: ignore[attr-defined]
+    def record(self, side: Side, inputs: Inputs, store: Any, *, hold: Hold | None, progress: Any) -> Recording:
+        runs = gradient_runs(side)
+        recording, found = runs.record_with_gradients(
             inputs, store, self.loss, hold=hold, progress=progress, parameters=side is self.ref
         )
         if found is None:  # recorded alone (a compiled model, a side split across ranks)
             return recording
         self.gradients[id(side)] = found
         if side is not self.ref:  # the candidate and the floor side: their experiments' graphs kept
-            side.graphs = Graphs()  # type: ignore[attr-defined]
-            self.kept.append(side)
+            runs.keep_graphs()
+            self.kept.append(runs)
         return recording
 
 
@@ -201,14 +132,14 @@ def judge(
     run, named = (recorded.loss, recorded.named) if recorded is not None else resolve_loss(loss)
     resolved = (tolerance or Tolerance()).resolved(same_dtype=ref.dtype == cand.dtype, same_device=ref.device == cand.device)
     kept = [] if recorded is None else recorded.kept
-    for side in kept:  # the forward diff is over: a module run from here is the backward's own
-        side.graphs.open = False  # type: ignore[attr-defined]
+    for runs in kept:  # the forward diff is over: a module run from here is the backward's own
+        runs.close_graphs()
     try:
         experiments = BackwardExperiments(ref, cand, inputs, resolved, run, recorded={} if recorded is None else recorded.gradients)
         back = experiments.report(forward, named)
     finally:
-        for side in kept:  # what the backward did not take
-            side.graphs = None  # type: ignore[attr-defined]
+        for runs in kept:  # what the backward did not take
+            runs.drop_graphs()
     forward.backward = back
     forward.notes.append(back.notes[0])
     return forward
@@ -232,11 +163,13 @@ class BackwardExperiments:
         self.notes: list[str] = []
         floor = ref.in_precision(self.dtype, cand.device) if tolerance.calibrated else None
         recorded = recorded or {}  # the free-running backwards run with the forward's records (Recorder)
+        self.ref_runs, self.cand_runs = gradient_runs(ref), gradient_runs(cand)
+        self.pairing = GradientPairing(ref, cand, self.ref_runs, self.cand_runs)
 
         def gradients(side: Side, name: str, *, parameters: bool) -> Gradients:
             if id(side) in recorded:
                 return recorded[id(side)]
-            return run_model_code(name, side.record_gradients, inputs, loss, parameters=parameters)  # type: ignore[attr-defined]
+            return run_model_code(name, gradient_runs(side).record_gradients, inputs, loss, parameters=parameters)
 
         self.ref_g = gradients(ref, "reference", parameters=True)
         self.cand_g = gradients(cand, "candidate", parameters=False)
@@ -252,15 +185,12 @@ class BackwardExperiments:
         # A block's residual floor found by its whole-block floor run (residual_probe).
         self._residual_floors: dict[tuple[str, int], Any] = {}
         self._exclusive = self._exclusive_parameters()
-        # The child calls of the module being judged, recorded once for its parameters'
-        # pairing and its drill-down (emptied after each module: _children).
-        self._child_calls: dict[tuple, list[Site]] = {}
 
     def _exclusive_parameters(self) -> dict[int, str]:
         """The reference's parameters that one site's one call alone uses (id → name): their
         whole gradient is that call's. Another (a tied embedding and head, a module called
         twice) gets its expected gradient from the reference's own module's backward."""
-        model = self.ref.module("")  # type: ignore[attr-defined]
+        model = self.ref_runs.module("")
         names = {id(p): name for name, p in model.named_parameters()}
         owners: dict[int, list[str]] = {}
         layout = self.ref.layout
@@ -314,7 +244,7 @@ class BackwardExperiments:
             return True
         key = (r.module, c.module)
         if key not in self._twins:
-            self._twins[key] = twins(self.floor.module(r.module), self.cand.module(c.module))  # type: ignore[attr-defined]
+            self._twins[key] = twins(gradient_runs(self.floor).module(r.module), self.cand_runs.module(c.module))
         if not self._twins[key]:
             return False
         dtype = self.floor.dtype
@@ -328,7 +258,8 @@ class BackwardExperiments:
         """The candidate's module backward from the reference's output gradient, on the
         reference's input: its input gradient and each parameter gradient judged (no check
         for a module no gradient reaches). Parameters pair as the forward pairs them
-        (:meth:`parameter_pairs`); those that pair with nothing are named on the module's
+        (:meth:`GradientPairing.parameters <blockdiff.backward_pairing.GradientPairing.parameters>`);
+        those that pair with nothing are named on the module's
         first check (``details["parameters_not_paired"]``) and in a note, never dropped
         silently. A module that passes no gradient at all where the reference's does (its
         output depends on none of its inputs and weights: a ``detach()``) gets zeros, judged
@@ -337,8 +268,8 @@ class BackwardExperiments:
         if grad is None:
             return []
         hidden = r.hidden_inputs()
-        got = self.cand.backward_module(c.module, c, hidden, grad)  # type: ignore[attr-defined]
-        floor = self._floor_run(r, c, got, lambda side: side.backward_module(r.module, r, hidden, grad))
+        got = self.cand_runs.backward_module(c.module, c, hidden, grad)
+        floor = self._floor_run(r, c, got, lambda side: gradient_runs(side).backward_module(r.module, r, hidden, grad))
         got_in, got_params = got
         floor_in, floor_params = floor if floor is not None else ({}, {})
         checks = []
@@ -346,15 +277,15 @@ class BackwardExperiments:
         if expected_in is not None and "primary" in got_in:
             checks.append(self.check(target, INPUT_GRADIENT, c.module, expected_in, got_in["primary"], floor_in.get("primary")))
         expected = self.expected_parameters(r, hidden, grad)
-        pairs, not_paired = self.parameter_pairs(r, c, hidden, expected, got_params)
-        ref_module, cand_module = self.ref.module(r.module), self.cand.module(c.module)  # type: ignore[attr-defined]
+        pairs, not_paired = self.pairing.parameters(r, c, hidden, expected, got_params)
+        ref_module, cand_module = self.ref_runs.module(r.module), self.cand_runs.module(c.module)
         for pair in pairs:
-            want = _side_by_side([_held(ref_module, name, expected[name]) for name in pair.ref], pair.dim)
-            mine = _side_by_side([_held(cand_module, name, got_params[name]) for name in pair.cand], pair.dim)
+            want = side_by_side([held(ref_module, name, expected[name]) for name in pair.ref], pair.dim)
+            mine = side_by_side([held(cand_module, name, got_params[name]) for name in pair.cand], pair.dim)
             if floor is got:  # the floor's run was the candidate's: its number is the floor
                 own = mine
             elif all(name in floor_params for name in pair.ref):
-                own = _side_by_side([_held(ref_module, name, floor_params[name]) for name in pair.ref], pair.dim)
+                own = side_by_side([held(ref_module, name, floor_params[name]) for name in pair.ref], pair.dim)
             else:
                 own = None
             checks.append(self.check(target, PARAMETER_GRADIENT.format(pair.name), c.module, want, mine, own))
@@ -377,141 +308,19 @@ class BackwardExperiments:
         worst = max(checks, key=lambda k: (k.diverged, k.ratio), default=None)
         try:
             if worst is not None and worst.diverged:
-                self.children_checks(target, r, c, hidden, grad, worst)
+                self.pairing.drill_down(r, c, hidden, grad, worst, lambda pair, found: self.child_check(target, c, pair, found))
         finally:
-            self._child_calls.clear()
+            self.pairing.forget()
         return checks
-
-    def parameter_pairs(
-        self, r: Site, c: Site, hidden: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]
-    ) -> tuple[list[ParameterPair], dict[str, list[str]]]:
-        """Which of the candidate module's parameter gradients (``got``, by name below it)
-        goes with which of the reference's (``expected``), as the forward pairs weights and
-        children: by :func:`~blockdiff.conversion.paired_parameters` (the same name, else the
-        same place among the weights of one shape: ``w1, w3`` as ``gate_proj, up_proj``);
-        what is left, through the children as :func:`~blockdiff.children.pair_children`
-        pairs them (by name, role and order, a fused child against split ones): a child
-        pair's own weights by ``paired_parameters``, a fused child's weight against its
-        split counterparts' side by side (``wqkv.weight`` as ``q_proj.weight+k_proj.weight
-        +v_proj.weight``). Returns the pairs, in the reference's order, and what pairs with
-        nothing, by side (``{"reference": [...], "candidate": [...]}``)."""
-        ref_module, cand_module = self.ref.module(r.module), self.cand.module(c.module)  # type: ignore[attr-defined]
-        pairs: list[ParameterPair] = []
-        taken: tuple[set[str], set[str]] = (set(), set())
-
-        def add(mine: list[str], theirs: list[str], dim: int | None) -> None:
-            if any(n not in got or n in taken[0] for n in mine) or any(n not in expected or n in taken[1] for n in theirs):
-                return
-            if dim is None and _held(cand_module, mine[0], got[mine[0]]).shape != _held(ref_module, theirs[0], expected[theirs[0]]).shape:
-                return  # (a weight held in another layout: a local shard, a transposed copy)
-            pairs.append(ParameterPair(mine, theirs, dim))
-            taken[0].update(mine)
-            taken[1].update(theirs)
-
-        for mine, theirs in paired_parameters(ref_module, cand_module):
-            add([mine], [theirs], None)
-        left = any(n not in taken[0] for n in got) and any(n not in taken[1] for n in expected)
-        # The candidate's child calls are collective on a sharded side: every rank runs them
-        # when any rank has weights left to pair (an expert-parallel rank holds other experts).
-        if not distributed.everywhere(not left):
-            pairing = pair_children(
-                r.module, self._children(self.ref, r.module, r, None), c.module,
-                self._children(self.cand, c.module, c, hidden), ref_module=_module_of(self.ref), cand_module=_module_of(self.cand),
-            )
-            for pair in pairing.pairs:
-                if any(s.call for s in (*pair.ref, *pair.cand)):  # a later call: its weights are its first call's
-                    continue
-                refs = [(s.module[len(r.module) + 1:], self.ref.module(s.module)) for s in pair.ref]  # type: ignore[attr-defined]
-                cands = [(s.module[len(c.module) + 1:], self.cand.module(s.module)) for s in pair.cand]  # type: ignore[attr-defined]
-                if len(refs) == 1 and len(cands) == 1:
-                    (ref_rel, ref_child), (cand_rel, cand_child) = refs[0], cands[0]
-                    for mine, theirs in paired_parameters(ref_child, cand_child):
-                        add([f"{cand_rel}.{mine}"], [f"{ref_rel}.{theirs}"], None)
-                    continue
-                # A fused child against split ones: each weight of the one beside the same
-                # weight of the others, along the dimension their outputs are side by side in.
-                one, many = (cands[0], refs) if len(cands) == 1 else (refs[0], cands)
-                for name, _ in one[1].named_parameters():
-                    parts = [f"{rel}.{name}" for rel, _ in many]
-                    cand_names, ref_names = ([f"{one[0]}.{name}"], parts) if len(cands) == 1 else (parts, [f"{one[0]}.{name}"])
-                    held = [tuple(_held(cand_module, n, got[n]).shape) for n in cand_names if n in got]
-                    wanted = [tuple(_held(ref_module, n, expected[n]).shape) for n in ref_names if n in expected]
-                    if len(held) == len(cand_names) and len(wanted) == len(ref_names):
-                        dim = _fused_dim(*(held + wanted if len(held) == 1 else wanted + held))
-                        if dim is not None:
-                            add(cand_names, ref_names, dim)
-        order = {name: i for i, name in enumerate(expected)}
-        pairs.sort(key=lambda p: order[p.ref[0]])
-        pairs, apart = self._on_every_rank(pairs, lambda p: (tuple(p.cand), tuple(p.ref)))
-        for pair in apart:
-            taken[0].difference_update(pair.cand)
-            taken[1].difference_update(pair.ref)
-        return pairs, {
-            "reference": [n for n in expected if n not in taken[1]], "candidate": [n for n in got if n not in taken[0]],
-        }
-
-    def _children(self, side: Side, path: str, call: Site, hidden: dict[str, torch.Tensor] | None) -> list[Site]:
-        """The child calls of ``side``'s module ``path`` at ``call`` (its activations
-        ``hidden``, or its own), recorded for a pairing: the candidate's once for its
-        parameters and its drill-down alike."""
-        key = (id(side), path, call.call, None if hidden is None else tuple(sorted((k, id(t)) for k, t in hidden.items())))
-        if key not in self._child_calls:
-            self._child_calls[key] = side.backward_child_calls(path, call, hidden)  # type: ignore[attr-defined]
-        return self._child_calls[key]
-
-    def _on_every_rank(self, items: list[T], key: Callable[[T], Any]) -> tuple[list[T], list[T]]:
-        """``items`` (pairs to judge) split into those every rank of a sharded candidate
-        has, in rank 0's order, and the rest: each check is collective (its metrics are the
-        worst rank's), so every rank judges the same list. An expert-parallel rank calls
-        only the experts its tokens were routed to. Outside a launched run, all of them."""
-        if not self.cand.lockstep:
-            return items, []
-        every = distributed.every_rank([key(item) for item in items])
-        common = set(every[0]).intersection(*map(set, every[1:]))
-        order = {k: n for n, k in enumerate(every[0])}
-        kept = sorted((item for item in items if key(item) in common), key=lambda item: order[key(item)])
-        return kept, [item for item in items if key(item) not in common]
-
-    def children_checks(
-        self, target: str, r: Site, c: Site, hidden: dict[str, torch.Tensor], grad: torch.Tensor, into: Check
-    ) -> None:
-        """Drill-down: each innermost child the reference's module calls, its backward judged
-        as a module's is — the candidate's child on the reference child's input, backward
-        from the reference child's output gradient — on its input gradient, in the order
-        they ran, into ``into.children``. Children pair as the forward's drill-down pairs
-        them (:func:`~blockdiff.children.pair_children`: by name, by role and order, a fused
-        child against split ones — its output gradient theirs side by side, its input
-        gradient against the sum of theirs); those that pair with nothing, and pairs that
-        cannot be judged or that no gradient reaches, are recorded beside them
-        (``children_not_paired``, ``children_not_judged``)."""
-        found = self.ref.child_gradients(r.module, r, hidden, grad)  # type: ignore[attr-defined]
-        gradients = {id(s): (expected, out_grad) for s, expected, out_grad in found}
-        pairing = pair_children(
-            r.module, [s for s, _, _ in found], c.module, self._children(self.cand, c.module, c, hidden),
-            ref_module=_module_of(self.ref), cand_module=_module_of(self.cand),
-        )
-        checks: list[Check] = []
-        not_judged = list(pairing.not_judged)
-        pairs, apart = self._on_every_rank(pairing.pairs, lambda p: (tuple(p.ref_names), tuple(p.cand_names)))
-        not_judged += [f"{'+'.join(pair.cand_names)} (not called on every rank)" for pair in apart]
-        for pair in pairs:
-            judged = self.child_check(target, c, pair, gradients)
-            if isinstance(judged, Check):
-                checks.append(judged)
-            else:
-                not_judged.append(f"{'+'.join(pair.cand_names)} ({judged})")
-        into.children = checks
-        into.children_not_paired = pairing.not_paired
-        into.children_not_judged = not_judged
 
     def child_check(
         self, target: str, c: Site, pair: ChildPair, gradients: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]
     ) -> Check | str:
-        """One pair of :meth:`children_checks` judged, or why it cannot be: the candidate's
-        child (or children) on the reference child's input, backward from the reference
-        child's output gradient (several: side by side along the last dimension, as their
-        outputs are), on the input gradient (several children reading one input: the sum
-        of theirs)."""
+        """One pair of the drill-down (:meth:`~blockdiff.backward_pairing.GradientPairing.drill_down`)
+        judged as a module's backward is, or why it cannot be: the candidate's child (or
+        children) on the reference child's input, backward from the reference child's output
+        gradient (several: side by side along the last dimension, as their outputs are), on
+        the input gradient (several children reading one input: the sum of theirs)."""
         hidden = pair.ref[0].hidden_inputs()
         expected_parts = [gradients.get(id(s), (None, None))[0] for s in pair.ref]
         out_grads = [gradients.get(id(s), (None, None))[1] for s in pair.ref]
@@ -520,24 +329,24 @@ class BackwardExperiments:
         if all(g is None for g in out_grads) or all(e is None for e in expected_parts):
             return "no gradient reaches it"
         if len(pair.ref) == 1 and len(pair.cand) == 1:
-            (rc,), (cc,) = pair.ref, pair.cand
-            if expected_parts[0] is None or out_grads[0] is None:
+            (rc,), (cc,), expected_in, out_grad = pair.ref, pair.cand, expected_parts[0], out_grads[0]
+            if expected_in is None or out_grad is None:
                 return "no gradient reaches it"
-            got = self.cand.backward_module(cc.module, cc, hidden, out_grads[0], parameters=False)[0]  # type: ignore[attr-defined]
+            got = self.cand_runs.backward_module(cc.module, cc, hidden, out_grad, parameters=False)[0]
             floor = self._floor_run(
-                rc, cc, got, lambda side: side.backward_module(rc.module, rc, hidden, out_grads[0], parameters=False)[0]  # type: ignore[attr-defined]
+                rc, cc, got, lambda side: gradient_runs(side).backward_module(rc.module, rc, hidden, out_grad, parameters=False)[0]
             )
             if "primary" not in got:
                 return "its input gradient is not recorded"
             return self.check(
-                target, pair.what, cc.module, expected_parts[0], got["primary"], None if floor is None else floor.get("primary")
+                target, pair.what, cc.module, expected_in, got["primary"], None if floor is None else floor.get("primary")
             )
         # A fused child against split ones: what flows back into their shared input.
         outputs = {id(s): s.primary_output() for s in (*pair.ref, *pair.cand)}
         if any(out is None for out in outputs.values()):
             return "a call returned no tensor"
-        expected = _summed([e for e in expected_parts if e is not None])
-        whole = _side_by_side(
+        expected = summed([e for e in expected_parts if e is not None])
+        whole = side_by_side(
             [g if g is not None else torch.zeros_like(outputs[id(s)]) for s, g in zip(pair.ref, out_grads)], -1  # type: ignore[arg-type]
         )
 
@@ -546,15 +355,17 @@ class BackwardExperiments:
             backward from the reference's output gradient (split as their outputs are)."""
             widths = [outputs[id(s)].shape[-1] for s in sites]  # type: ignore[union-attr]
             parts = whole.split(widths, dim=-1) if len(sites) > 1 else [whole]
-            found = [side.backward_module(s.module, s, hidden, g, parameters=False)[0].get("primary") for s, g in zip(sites, parts)]  # type: ignore[attr-defined]
-            return None if any(f is None for f in found) else _summed(found)
+            runs = gradient_runs(side)
+            found = [runs.backward_module(s.module, s, hidden, g, parameters=False)[0].get("primary") for s, g in zip(sites, parts)]
+            grads = [f for f in found if f is not None]
+            return summed(grads) if len(grads) == len(found) else None
 
-        got = backward(self.cand, pair.cand)
-        if got is None:
+        got_in = backward(self.cand, pair.cand)
+        if got_in is None:
             return "its input gradient is not recorded"
-        floor = None if self.floor is None else got if self.twin else backward(self.floor, pair.ref)
+        floor_in = None if self.floor is None else got_in if self.twin else backward(self.floor, pair.ref)
         module = pair.cand[0].module if len(pair.cand) == 1 else f"{c.module}.{'+'.join(pair.cand_names)}"
-        return self.check(target, pair.what, module, expected, got, floor)
+        return self.check(target, pair.what, module, expected, got_in, floor_in)
 
     def moe_checks(self, r: Site, c: Site, router_r: Site, router_c: Site) -> list[Check]:
         """An MoE ffn's router and experts judged apart: the candidate's router alone,
@@ -571,11 +382,11 @@ class BackwardExperiments:
             return checks
         hidden = r.hidden_inputs()
         replaced = self.by_reference(self.cand, c.module, [(router_r, router_c)])
-        got = self.cand.backward_module(c.module, c, hidden, grad, replaced=replaced, parameters=False)[0]  # type: ignore[attr-defined]
+        got = self.cand_runs.backward_module(c.module, c, hidden, grad, replaced=replaced, parameters=False)[0]
 
         def measure(side: Side) -> Any:
             own = self.by_reference(side, r.module, [(router_r, router_r)])
-            return side.backward_module(r.module, r, hidden, grad, replaced=own, parameters=False)[0]  # type: ignore[attr-defined]
+            return gradient_runs(side).backward_module(r.module, r, hidden, grad, replaced=own, parameters=False)[0]
 
         floor = self._floor_run(r, c, got, measure)
         if "primary" in got:
@@ -588,11 +399,11 @@ class BackwardExperiments:
         """The reference's gradient of each floating parameter of ``r``'s module, by name
         relative to it: from its whole backward where that call alone uses the parameter,
         else from its own module's backward at that call."""
-        module = self.ref.module(r.module)  # type: ignore[attr-defined]
+        module = self.ref_runs.module(r.module)
         own = [(name, p) for name, p in module.named_parameters() if p.is_floating_point()]
         if all(id(p) in self._exclusive for _, p in own):
             return {name: self.ref_g.parameters[self._exclusive[id(p)]] for name, p in own}
-        return self.ref.backward_module(r.module, r, hidden, grad)[1]  # type: ignore[attr-defined]
+        return self.ref_runs.backward_module(r.module, r, hidden, grad)[1]
 
     # -- one block -----------------------------------------------------------------------
 
@@ -614,14 +425,14 @@ class BackwardExperiments:
             # is no block error (the router is judged alone). Its expected gradient is the
             # reference block's own backward, routing frozen alike.
             own_routing = self.routing_frozen(self.ref, rb.module, [(r, r) for r, _ in routers])
-            expected = self.ref.backward_module(rb.module, rb, hidden, grad, replaced=own_routing, parameters=False)[0].get("primary")  # type: ignore[attr-defined]
+            expected = self.ref_runs.backward_module(rb.module, rb, hidden, grad, replaced=own_routing, parameters=False)[0].get("primary")
             if expected is None:
                 return None
         if residual:
             replaced = self.by_reference(self.cand, cb.module, [(s, pair.cand[k]) for k, s in pair.ref.items()])
         else:
             replaced = self.routing_frozen(self.cand, cb.module, routers) or None
-        got = self.cand.backward_module(cb.module, cb, hidden, grad, replaced=replaced, parameters=False)[0]  # type: ignore[attr-defined]
+        got = self.cand_runs.backward_module(cb.module, cb, hidden, grad, replaced=replaced, parameters=False)[0]
 
         key = (rb.module, rb.call)
 
@@ -636,7 +447,7 @@ class BackwardExperiments:
             else:
                 shares = {}
                 own = self.residual_probe(side, rb.module, list(pair.ref.values()), shares)
-            found = side.backward_module(rb.module, rb, hidden, grad, replaced=own, parameters=False)[0]  # type: ignore[attr-defined]
+            found = gradient_runs(side).backward_module(rb.module, rb, hidden, grad, replaced=own, parameters=False)[0]
             if shares is not None and len(shares) == len(pair.ref) and all(shares.values()):
                 self._residual_floors[key] = found
             return found
@@ -647,7 +458,7 @@ class BackwardExperiments:
         target = "residual" if residual else "block"
         return self.check(target, INPUT_GRADIENT, cb.module, expected, got["primary"], None if floor is None else floor["primary"])
 
-    def by_reference(self, side: Side, block: str, sites: list[tuple[Site, Site]]) -> dict[str, Callable[[Callable], Callable]]:
+    def by_reference(self, side: Side, block: str, sites: list[tuple[Site, Site]]) -> Replaced:
         """For a backward of ``side``'s block ``block``: each of its sub-path modules
         answering with the reference's own module (forward and backward) run on what reached
         it, with the reference's other arguments of that call. ``sites``: (reference site,
@@ -658,22 +469,11 @@ class BackwardExperiments:
         alike: the modules' own rounding is then the same in both, and what differs is the
         glue's, which is what the residual judges."""
         ref = self.floor if self.floor is not None else self.ref
-
-        def answer(r: Site, own: Site, template: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
-            reached = hidden_states(args, kwargs, side.layout.options(own.module).activations).get("primary")
-            found = ref.call_module(r.module, r, None if reached is None else {"primary": reached})
-            if r.subpath == "router":  # the whole routing decision: logits, weights, indices
-                return _like(found, template)
-            out, like = primary_tensor(found), primary_tensor(template)
-            if out is None or like is None:
-                return original(*args, **kwargs)
-            return replace_primary(template, out.to(device=like.device, dtype=like.dtype).reshape(like.shape))
-
-        return _per_call(side, block, sites, answer)
+        return answered_by(ref, side, gradient_runs(side).cast, block, sites)
 
     def residual_probe(
         self, side: Side, block: str, sites: list[Site], shares: dict[tuple[str, int], bool]
-    ) -> dict[str, Callable[[Callable], Callable]]:
+    ) -> Replaced:
         """For the floor's whole-block backward of ``side``'s block ``block``: each sub-path
         module's call (``sites``, the reference's) runs its own code, and ``shares`` says, by
         (module, call), whether that call is the one the residual experiment's floor makes in
@@ -682,28 +482,12 @@ class BackwardExperiments:
         holding its primary tensor alone, of the recorded output's dtype and shape. When
         every call is, that run is the residual's floor too (the same computation forward
         and backward) and it is not run again."""
+        return probed(side, gradient_runs(side).cast, block, sites, shares)
 
-        def answer(r: Site, own: Site, template: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
-            out = original(*args, **kwargs)
-            reached = hidden_states(args, kwargs, side.layout.options(own.module).activations).get("primary")
-            got, like = primary_tensor(out), primary_tensor(template)
-            same = (
-                reached is not None and got is not None and like is not None
-                and got.dtype == like.dtype and got.shape == like.shape
-                and len(list(iter_tensors(out))) == 1 == len(list(iter_tensors(template)))
-                and same_arguments(with_hidden(r.args, r.kwargs, {"primary": reached}, r.activations), (args, kwargs), side.cast)  # type: ignore[attr-defined]
-            )
-            shares[(r.module, r.call)] = shares.get((r.module, r.call), True) and same
-            return out
-
-        return _per_call(side, block, [(s, s) for s in sites], answer)
-
-    def routing_frozen(self, side: Side, block: str, routers: list[tuple[Site, Site]]) -> dict[str, Callable[[Callable], Callable]]:
+    def routing_frozen(self, side: Side, block: str, routers: list[tuple[Site, Site]]) -> Replaced:
         """For a backward of ``side``'s block ``block``: each router answering with the
-        reference's recorded decision (logits, weights, indices), cast like ``side``'s own
-        output of that call; no gradient flows through it. ``routers``: (reference router
-        site, ``side``'s router site of that call)."""
-        return _per_call(side, block, routers, lambda r, own, template, original, args, kwargs: _like(r.output, template))
+        reference's recorded decision (:func:`~blockdiff.backward_pairing.frozen_routing`)."""
+        return frozen_routing(side, gradient_runs(side).cast, block, routers)
 
     def drift(self, r: Site, c: Site, *, judged: bool) -> tuple[Metrics | None, Check | None]:
         """The free-running candidate's input gradient at a site against the reference's
@@ -847,112 +631,6 @@ class BackwardExperiments:
         )
 
 
-@dataclass
-class ParameterPair:
-    """Candidate parameters judged against reference parameters as one gradient (names
-    below their modules): one and one, or a fused weight against split ones side by side
-    along ``dim`` (``wqkv.weight`` against ``q_proj.weight``, ``k_proj.weight`` and
-    ``v_proj.weight`` along dimension 0)."""
-
-    cand: list[str]
-    ref: list[str]
-    dim: int | None = None
-
-    @property
-    def name(self) -> str:
-        """How a check names it: ``weight``; ``w2.weight (as down_proj.weight)``; ``wqkv.weight
-        (as q_proj.weight+k_proj.weight+v_proj.weight)``."""
-        mine, theirs = "+".join(self.cand), "+".join(self.ref)
-        return mine if mine == theirs else f"{mine} (as {theirs})"
-
-
-def _held(module: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
-    """The gradient ``t`` of ``module``'s parameter ``name`` as the weights' pairing holds
-    that parameter (:func:`~blockdiff.conversion.weights`): a Hugging Face ``Conv1D``'s
-    weight (``[in, out]``) transposed, as ``nn.Linear`` holds it; any other as it is."""
-    owner, _, leaf = name.rpartition(".")
-    try:
-        found = module.get_submodule(owner) if owner else module
-    except AttributeError:
-        return t
-    return t.T if leaf == "weight" and type(found).__name__ == "Conv1D" and t.dim() == 2 else t
-
-
-def _fused_dim(whole: tuple[int, ...], *parts: tuple[int, ...]) -> int | None:
-    """The one dimension along which ``parts`` side by side make ``whole``'s shape (the
-    others equal), ``None`` when there is none or more than one."""
-    if len(parts) < 2 or any(len(p) != len(whole) for p in parts):
-        return None
-    found = [
-        d for d in range(len(whole))
-        if sum(p[d] for p in parts) == whole[d] and all(p[k] == whole[k] for p in parts for k in range(len(whole)) if k != d)
-    ]
-    return found[0] if len(found) == 1 else None
-
-
-def _side_by_side(tensors: list[torch.Tensor], dim: int | None) -> torch.Tensor:
-    """``tensors`` concatenated along ``dim`` (one tensor: itself)."""
-    return tensors[0] if len(tensors) == 1 or dim is None else torch.cat(tensors, dim=dim)
-
-
-def _summed(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``tensors`` added up in float32 (one tensor: itself)."""
-    if len(tensors) == 1:
-        return tensors[0]
-    total = tensors[0].float()
-    for t in tensors[1:]:
-        total = total + t.to(total.device).float()
-    return total
-
-
-def _per_call(
-    side: Side, block: str, sites: list[tuple[Site, Site]], answer: Callable[[Site, Site, Any, Callable, tuple, dict], Any]
-) -> dict[str, Callable[[Callable], Callable]]:
-    """For a backward run of ``side``'s block ``block``, by module path relative to it:
-    a ``forward`` replacement that answers each call of ``sites`` — (reference site,
-    ``side``'s site of that call) — with ``answer(reference site, side's site, its recorded
-    output as a template, the original forward, args, kwargs)``, and runs its own code for any
-    other call. Calls are counted apart in the forward and in each recomputation
-    (activation checkpointing reruns the block's code inside the backward)."""
-    by_module: dict[str, dict[int, tuple[Site, Site]]] = {}
-    for r, own in sites:
-        by_module.setdefault(own.module, {})[own.call] = (r, own)
-    device, cast = side.device, getattr(side, "cast", None)
-
-    def make(calls: dict[int, tuple[Site, Site]]) -> Callable[[Callable], Callable]:
-        def wrapped(original: Callable) -> Callable:
-            count: dict[int, int] = {}
-
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                task = torch._C._current_graph_task_id()
-                call = count[task] = count.get(task, -1) + 1
-                if call not in calls:  # not a site (the map's `calls`): its own code
-                    return original(*args, **kwargs)
-                r, own = calls[call]
-                return answer(r, own, for_replay(own.output, device=device, dtype=cast), original, args, kwargs)
-
-            return forward
-
-        return wrapped
-
-    return {path[len(block) + 1:]: make(calls) for path, calls in by_module.items()}
-
-
-def _like(answer: Any, template: Any) -> Any:
-    """``answer``'s tensors, in order, each moved and cast like the tensor of ``template``
-    in its place (gradients flow through the casts), in ``answer``'s structure."""
-    own = iter(list(iter_tensors(template)))
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        like = next(own, None)
-        if like is None:
-            return t
-        dtype = like.dtype if t.is_floating_point() and like.is_floating_point() else t.dtype
-        return t.to(device=like.device, dtype=dtype)
-
-    return map_structure(answer, cast)
-
-
 def _backward_order(stages: list[StageResult], blocks: list[BlockResult], stage_orders: dict[int, int]) -> None:
     """Number every stage, block, sub-path and check in backward execution order: the
     reverse of the forward's (the head first), inside a block its modules last to first and
@@ -1008,4 +686,4 @@ def _explained(back: Report, forward: Report) -> None:
             block.subpaths[name].explained_by = label
 
 
-__all__ = ["DEFAULT_LOSS", "BackwardExperiments", "Loss", "ParameterPair", "judge", "load_loss", "next_token_loss", "refuse_backward", "resolve_loss"]
+__all__ = ["BackwardExperiments", "Recorder", "gradient_runs", "judge", "refuse_backward"]

@@ -25,7 +25,9 @@ from .hooking import Hooks
 from .hookmap import Layout
 from .inputs import run_model
 from .errors import TensorChanged
-from .site import Site, hidden_location, iter_tensors, map_structure, primary_tensor, recorded_copy, replace_primary, with_hidden
+from .site import (
+    Site, hidden_location, iter_tensors, map_structure, primary_tensor, recorded_copy, replace_primary, snapshot, with_hidden,
+)
 from .store import MemoryStore, SiteStore
 
 
@@ -239,6 +241,37 @@ class Numbering:
         self.ordinals[where] = site.ordinal + 1
         self.order += 1
         return site
+
+
+class ChildCalls:
+    """The calls of a module's children during one run of it (a drill-down): one site per
+    call, in the order they started, under the parent's stage, block and sub-path."""
+
+    def __init__(self, path: str, call: Site) -> None:
+        self.path, self.call = path, call
+        self.found: list[Site] = []
+        self._open: dict[str, list[Site]] = {}
+        self._calls: dict[str, int] = {}
+
+    def opened(self, rel: str, args: tuple, kwargs: dict) -> Site:
+        call = self.call
+        site = Site(call.stage, call.block, call.subpath, f"{self.path}.{rel}", self._calls.get(rel, 0), len(self.found),
+                    snapshot(args), snapshot(kwargs), order=len(self.found))
+        self._calls[rel] = site.call + 1
+        self.found.append(site)
+        self._open.setdefault(rel, []).append(site)
+        return site
+
+    def closed(self, rel: str, output: Any) -> Site:
+        site = self._open[rel].pop()
+        site.output = snapshot(output)
+        return site
+
+    def innermost(self) -> list[Site]:
+        """The innermost modules that ran: a module whose own children ran is theirs to
+        judge (a quantized Linear keeps its weights in a child that is never called: it stays)."""
+        ran = {site.module for site in self.found}
+        return [s for s in self.found if not any(other.startswith(s.module + ".") for other in ran)]
 
 
 class Deferred:

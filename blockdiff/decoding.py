@@ -8,7 +8,8 @@ recorded and localized like a forward pass (docs/decode.md):
 - a module experiment at step t runs the candidate's module on the reference's inputs
   with a cache of the candidate's own kind that holds what that module computed from the
   reference's inputs at every earlier step: one cache per kind of experiment and module
-  (``LiveSide.stream``), carried from step to step, so the cost stays linear in ``N``;
+  (a side's :class:`~blockdiff.sides.Stepping`), carried from step to step, so the
+  cost stays linear in ``N``;
 - the cache is a site: after each step, what each attention's experiment cache holds
   (keys and values apart, by position) is compared with the reference's own cache, and a
   wrong write is blamed on that block's attention ("kv cache: keys"), at the first step it
@@ -36,13 +37,13 @@ import torch
 from torch import nn
 
 from .compare import metrics
-from .errors import InputError, run_model_code
+from .errors import InputError, OptionsError, run_model_code
 from .inputs import accepts, run_model
 from .hooking import BufferCache
 from .report import Check, SubpathResult
-from .sides import Side
+from .sides import Side, Stepping
 from .sides.batched import PositionCut, RowSide
-from .sides.live import cache_buffers
+from .sides.stepping import cache_buffers
 from .store import MemoryStore
 from .vocab import KV_KEYS, KV_VALUES
 
@@ -92,6 +93,19 @@ def logits_of(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output
     return output.logits if hasattr(output, "logits") else output[0]
+
+
+def stepping(side: Side) -> Stepping:
+    """``side``'s decode steps (``Side.stepping``).
+
+    Raises:
+        OptionsError: the one refusal of a side that runs no decode steps (a dump, an ONNX
+            graph), naming the capability.
+    """
+    found = side.stepping() if side.decodes else None
+    if found is None:
+        raise OptionsError("the {side} cannot run {decode}: decode steps need live PyTorch models", side=side.name)
+    return found
 
 
 def stepper_for(model: nn.Module, *, kind: str, length: int) -> Stepper:
@@ -238,7 +252,7 @@ def decode(
     model's own tensors, which ``Decoded.recordings`` can be asked about later).
     ``contents``: keep what the cache holds after each step (the reference's: the cache
     checks compare against it), copied, since a static cache is written in place."""
-    model = side.module("")  # type: ignore[attr-defined]
+    model = stepping(side).model
     cache = stepper.new_cache(model)
     found, ids, length = Decoded(), prompt, 0
     for step in range(steps + 1):
@@ -260,7 +274,7 @@ def uncached(side: Side, prompt: torch.Tensor, steps: int) -> Decoded:
     forward of the sequence so far), then one recorded forward of the whole sequence, cut
     into steps — the prompt's positions as step 0, position ``len(prompt) - 1 + t`` as step
     t — so that each of the cached run's steps pairs with the same position run uncached."""
-    model = side.module("")  # type: ignore[attr-defined]
+    model = stepping(side).model
     found, ids = Decoded(), prompt
     with torch.no_grad():
         for _ in range(steps + 1):
@@ -306,9 +320,10 @@ def stored(side: Side, steps: int) -> Decoded:
 def remember(side: Side, store: MemoryStore) -> None:
     """The reference's own calls of this step, for the later steps' drill-downs (which
     replay its modules' children on the cache its run held): remembered, not run."""
+    steps = stepping(side)
     for site in store.sites():
-        if site.subpath is not None and side.keeps_cache(site.module, site):  # type: ignore[attr-defined]
-            side.remember(site.module, site, None)  # type: ignore[attr-defined]
+        if site.subpath is not None and steps.keeps_cache(site.module, site):
+            steps.remember(site.module, site, None)
 
 
 # How blockdiff reads a cache layer's keys and values; a stepper's ``kv_layout`` says how
@@ -388,7 +403,7 @@ def kv_checks(
     inputs at every step so far) against the reference's own cache, keys and values apart,
     judged as the attention's output is (its floor: the reference's own code at the
     candidate's precision, run the same way). An experiment whose cache has shadowed its
-    side's own run (never made: :meth:`~blockdiff.sides.live.LiveSide.shadow`) holds what
+    side's own run (never made: :meth:`~blockdiff.sides.Stepping.shadow`) holds what
     that side's own cache held after this step: ``own`` (the candidate's, the floor run's)."""
     found: dict[int, list[Check]] = {}
     floors = experiments.floor_side
@@ -421,9 +436,10 @@ def kv_checks(
 def _held(side: Side, key: tuple, layer: int, own: list | None) -> Layer | None:
     """What experiment ``key``'s cache holds for ``layer``: its stream's, or — a stream
     still shadowing the side's own run — the side's own cache's (``own``, per layer)."""
-    made = side.made_stream(key)  # type: ignore[attr-defined]
+    steps = stepping(side)
+    made = steps.made_stream(key)
     if made is not None:
-        return canonical(layer_of(made, layer), side.stepper)  # type: ignore[attr-defined]
+        return canonical(layer_of(made, layer), steps.stepper)
     return own[layer] if own is not None and layer < len(own) else None
 
 
@@ -451,8 +467,7 @@ def attention_layers(ref: Side, cand: Side) -> list[tuple[int, str, str, int]]:
         r_attn, c_attn = rb.subpaths.get("attention", []), cb.subpaths.get("attention", [])
         if len(r_attn) != 1 or len(c_attn) != 1:
             continue
-        module = cand.module(c_attn[0])  # type: ignore[attr-defined]
-        layer = getattr(module, "layer_idx", None)
+        layer = getattr(cand.attribute(c_attn[0]), "layer_idx", None)
         found.append((rb.index, r_attn[0], c_attn[0], layer if isinstance(layer, int) else position))
     return found
 
@@ -464,5 +479,6 @@ def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None
 
 __all__ = [
     "CACHE_KINDS", "CacheLog", "Decoded", "KV_LAYOUT", "canonical", "HFStepper", "StepCall", "Stepper", "add_kv_checks", "attention_layers",
-    "cache_contents", "contents_of", "decode", "first_difference", "kv_checks", "layer_of", "remember", "stored", "stored_steps", "stepper_for",
+    "cache_contents", "contents_of", "decode", "first_difference", "kv_checks", "layer_of", "remember", "stepping", "stored", "stored_steps",
+    "stepper_for",
 ]

@@ -215,8 +215,9 @@ class Experiments:
         """Whether an experiment whose inputs are bit for bit those ``side``'s own ``call``
         received is answered by the call's recorded output: always, but at decode steps
         only while the experiment's cache has shadowed the side's own
-        (:meth:`~blockdiff.sides.live.LiveSide.shadow`)."""
-        return not self.stateful or side.shadow(key, call, hidden)  # type: ignore[attr-defined]
+        (:meth:`~blockdiff.sides.Stepping.shadow`)."""
+        stepping = side.stepping()
+        return not self.stateful or (stepping is not None and stepping.shadow(key, call, hidden))
 
     def module_output(self, side: Side, path: str, call: Site, hidden: dict[str, torch.Tensor] | None) -> torch.Tensor:
         out = primary_tensor(side.call_module(path, call, hidden))

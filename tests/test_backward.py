@@ -222,11 +222,11 @@ def test_each_model_runs_forward_once_and_shared_runs_change_no_number(build, mo
             judging[0] = False
 
     monkeypatch.setattr(backward, "judge", judge)
-    from blockdiff.sides import live
+    from blockdiff.sides import gradients
 
-    made: list[live.Graphs] = []  # every side's kept graphs
-    real_init = live.Graphs.__init__
-    monkeypatch.setattr(live.Graphs, "__init__", lambda self: (real_init(self), made.append(self))[0])
+    made: list[gradients.Graphs] = []  # every side's kept graphs
+    real_init = gradients.Graphs.__init__
+    monkeypatch.setattr(gradients.Graphs, "__init__", lambda self: (real_init(self), made.append(self))[0])
 
     def diffed() -> tuple[dict, dict[str, int]]:
         reference, candidate = build(), _ported(build()).to(torch.bfloat16)
@@ -342,7 +342,7 @@ def test_an_moe_ffn_backward_is_judged_as_router_and_experts_apart(bug, router_w
 def test_a_kept_graph_holds_its_activations_so_no_other_tensor_can_take_it():
     # Graphs are found by the ids of the call and its activations: an activation made for
     # the forward diff's experiment and dropped after would hand its id to a later tensor.
-    from blockdiff.sides.live import Graphs
+    from blockdiff.sides.gradients import Graphs
     from blockdiff.site import Site
 
     graphs = Graphs()

@@ -9,7 +9,7 @@ import torch
 
 from blockdiff import InputError
 from blockdiff.engine import capture
-from blockdiff.sides import dump, onnx
+from blockdiff.sides import dump, gguf, mlx, onnx
 from blockdiff.sides.dump import DumpSide
 from blockdiff.sides.factory import KINDS, kind_of, open_side
 from blockdiff.sides.live import LiveSide
@@ -17,9 +17,10 @@ from samples import tinylm
 
 
 def test_kinds_are_read_off_the_spec_without_opening_anything(tmp_path):
-    assert KINDS == (dump, onnx)
+    assert KINDS == (dump, onnx, gguf, mlx)
     assert kind_of(tmp_path / "absent.h5") == "dump"
     assert kind_of("graph.onnx") == "onnx"
+    assert kind_of(tmp_path / "absent.gguf") == "gguf"  # importing neither llama_cpp nor mlx
     assert kind_of("samples/tinylm.py:build") == "model"
     assert kind_of(tinylm.build) == "model"
 

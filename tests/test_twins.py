@@ -243,8 +243,8 @@ def test_a_setting_makes_two_models_not_twins():
 def _floor_runs(monkeypatch) -> list[str]:
     """The module paths the floor side runs (modules and blocks), in order."""
     ran: list[str] = []
-    module_on, run_block = PrecisionSide._module_on, PrecisionSide.run_block
-    monkeypatch.setattr(PrecisionSide, "_module_on", lambda self, path, *a: ran.append(path) or module_on(self, path, *a))
+    module_on, run_block = PrecisionSide.module_on, PrecisionSide.run_block
+    monkeypatch.setattr(PrecisionSide, "module_on", lambda self, path, *a: ran.append(path) or module_on(self, path, *a))
     monkeypatch.setattr(PrecisionSide, "run_block", lambda self, path, *a: ran.append(path) or run_block(self, path, *a))
     return ran
 

@@ -98,12 +98,11 @@ def decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
     if ref.lockstep or cand.lockstep:
         raise OptionsError("{decode} runs in memory, on one process: not under torchrun")
     length = prompt.shape[1] + options.decode + 1
-    for side in (ref, cand) if ref.live else (cand,):
-        if not side.decodes:
-            raise OptionsError("the {side} cannot run {decode}: decode steps need live PyTorch models", side=side.name)
+    # Each live side's decode steps (a reference dump's are stored: decoding.stored).
+    steppings = [decoding.stepping(side) if side is cand or ref.live else None for side in (ref, cand)]
     steppers = [
-        decoding.stepper_for(side.module(""), kind=kind, length=length) if side.live else None  # type: ignore[attr-defined]
-        for side, kind in zip((ref, cand), options.caches)
+        decoding.stepper_for(stepping.model, kind=kind, length=length) if stepping is not None else None
+        for stepping, kind in zip(steppings, options.caches)
     ]
     steps = options.decode
     if options.uncached_reference and (ref.dtype != cand.dtype or ref.device != cand.device):
@@ -115,9 +114,9 @@ def decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
         ``copy`` (:func:`~blockdiff.capture.with_copies`: should a model change one of them
         in place meanwhile, the whole attempt runs again on copies)."""
         hold = None if copy else "kept"
-        for side, stepper in zip((ref, cand), steppers):
-            if side.live:
-                side.start_decode(stepper)  # type: ignore[attr-defined]  # fresh experiment caches
+        for stepping, stepper in zip(steppings, steppers):
+            if stepping is not None:
+                stepping.start(stepper)  # fresh experiment caches
         if not ref.live:
             ref_run = decoding.stored(ref, steps)
         elif options.uncached_reference:
@@ -135,11 +134,12 @@ def decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
                 "reference", decoding.decode, floor, prompt, steps, steppers[0], ref_run.greedy, hold=hold, contents=True
             )
         layers = decoding.attention_layers(ref, cand)
+        stepped = [*steppings, None if floor is None else decoding.stepping(floor)]
         reports = []
         for step in range(steps + 1):
-            for each in (ref, cand, floor):
-                if each is not None and each.live:
-                    each.begin_step()  # type: ignore[attr-defined]
+            for stepping in stepped:
+                if stepping is not None:
+                    stepping.begin_step()
             # The reference as this step: itself, or the step of its uncached run (decoding.uncached).
             ref_step = ref_run.sides[step] if ref_run.sides else ref
             ref_step.store, cand.store = ref_run.stores[step], cand_run.stores[step]
@@ -218,9 +218,10 @@ def capture(
         raise OptionsError("{floors} with {decode}: noise floors are not stored for decode steps; a replay judges with fixed thresholds")
     if side.lockstep:
         raise OptionsError("{decode} captures on one process: not under torchrun")
-    stepper = decoding.stepper_for(side.module(""), kind=cache, length=prompt.shape[1] + steps + 1)  # type: ignore[attr-defined]
+    stepping = decoding.stepping(side)
+    stepper = decoding.stepper_for(stepping.model, kind=cache, length=prompt.shape[1] + steps + 1)
     with side.running():
-        side.start_decode(stepper)  # type: ignore[attr-defined]
+        stepping.start(stepper)
         found = run_model_code(side.name, decoding.decode, side, prompt, steps, stepper, hold=None, contents=True)
     meta = {**dump_meta(side, prompt), "decode": {"steps": steps, "prompt_length": int(prompt.shape[1]), "cache": cache}}
     with DumpWriter(out, meta=meta, compress=compress, durable=durable, decode=True) as writer:

@@ -21,19 +21,17 @@ The localizer (:mod:`blockdiff.localize`) and the experiments never branch on th
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
+from torch import nn
 
-from ..capture import Hold
+from ..capture import Hold, Recording
 from ..hookmap import Layout
+from ..inputs import Inputs
 from ..report import BlockResult, StageResult
 from ..site import Site
 from ..store import SiteStore
-
-if TYPE_CHECKING:  # the roles a side may hold, declared beside their implementations
-    from .gradients import GradientRuns
-    from .stepping import Stepping
 
 # Activations by role ("primary", "encoder_hidden_states", "arg3", ...), as Site.hidden_inputs.
 Hidden = dict[str, torch.Tensor]
@@ -177,12 +175,11 @@ class Side(Protocol):
 
     # The roles a side holds beyond the forward experiments; ``None``: it has none.
     def stepping(self) -> Stepping | None:
-        """Its decode steps (``decodes``): each experiment's cache, carried from step to step
-        (:class:`~blockdiff.sides.stepping.DecodeStepper`)."""
+        """Its decode steps (``decodes``): each experiment's cache, carried from step to step."""
 
     def gradient_runs(self) -> GradientRuns | None:
         """Its backward (``backward_refused`` is ``None``): its model's free-running backward
-        and a module's (:class:`~blockdiff.sides.gradients.GradientRunner`)."""
+        and a module's."""
 
 
 class SideDefaults:
@@ -231,6 +228,94 @@ class SideDefaults:
         return None
 
 
+# -- the roles a side may hold beyond the forward experiments (a live PyTorch model's:
+# sides/stepping.py, sides/gradients.py), as the code outside sides/ reaches them
+
+
+class Stepping(Protocol):
+    """A side's decode steps (``Side.stepping()``, docs/decode.md): the stepper its model
+    runs with, and each experiment's cache — a *stream*, one per kind of experiment and
+    module — carried from step to step."""
+
+    stepper: Any  # how its model runs a step and makes a cache (blockdiff.decoding); None outside a decode
+
+    @property
+    def model(self) -> nn.Module:
+        """The model its steps run."""
+
+    def start(self, stepper: Any) -> None:
+        """Decode steps start with ``stepper`` (``None``: none do): every stream anew."""
+
+    def begin_step(self) -> None:
+        """A decode step starts."""
+
+    def shadow(self, key: tuple, call: Site, hidden: Hidden | None = None) -> bool:
+        """Whether experiment ``key`` on the side's own ``call`` may be answered by the
+        call's recorded output at this step (its stream not made yet)."""
+
+    def made_stream(self, key: tuple) -> Any:
+        """The stream of experiment ``key`` if made, ``None`` while it shadows the side's run."""
+
+    def keeps_cache(self, path: str, call: Site) -> bool:
+        """Whether module ``path``'s ``call`` reads and writes a cache."""
+
+    def remember(self, path: str, call: Site, hidden: Hidden | None) -> None:
+        """Module ``path`` ran on ``call`` at this step: what a later step's drill-down replays."""
+
+
+# Forward replacements for one run of a module, by path below it: make(original) → forward.
+Replaced = dict[str, Callable[[Callable], Callable]]
+# A module's innermost child calls, each with the gradient of its hidden input and of its output.
+ChildGradients = list[tuple[Site, torch.Tensor | None, torch.Tensor | None]]
+
+
+class GradientRuns(Protocol):
+    """A side's backward (``Side.gradient_runs()``, docs/backward.md): its model's
+    free-running backward (a :class:`~blockdiff.sides.gradients.Gradients`), a module's
+    backward on given activations, and the graphs its forward diff's experiments keep for it."""
+
+    @property
+    def cast(self) -> torch.dtype | None:
+        """The dtype its replayed floating arguments are cast to (a floor side's), or ``None``."""
+
+    def module(self, path: str) -> nn.Module:
+        """The module at ``path`` it runs."""
+
+    def record_with_gradients(
+        self, inputs: Inputs, store: SiteStore, loss: Callable[[Any, Inputs], torch.Tensor], *,
+        hold: Hold | None, progress: Callable[[int, int], None] | None = None, parameters: bool = True,
+    ) -> tuple[Recording, Any]:
+        """The side's record and its free-running backward in one run (``None``: recorded alone)."""
+
+    def record_gradients(
+        self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True,
+        recorded: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> Any:
+        """The whole model's free-running backward on ``inputs``."""
+
+    def backward_module(
+        self, path: str, call: Site, hidden: Hidden, grad: torch.Tensor, *,
+        replaced: Replaced | None = None, parameters: bool = True,
+    ) -> tuple[Hidden, dict[str, torch.Tensor]]:
+        """Module ``path``'s backward at ``call`` from ``grad``: its activations' and
+        parameters' gradients."""
+
+    def backward_child_calls(self, path: str, call: Site, hidden: Hidden | None) -> list[Site]:
+        """Module ``path``'s child calls, as a backward's pairing of children compares them."""
+
+    def child_gradients(self, path: str, call: Site, hidden: Hidden, grad: torch.Tensor) -> ChildGradients:
+        """Module ``path``'s backward, each innermost child's call and gradients recorded."""
+
+    def keep_graphs(self) -> None:
+        """From here, its module experiments keep their graphs (the forward diff of a backward)."""
+
+    def close_graphs(self) -> None:
+        """The forward diff is over: its module runs from here are the backward's own."""
+
+    def drop_graphs(self) -> None:
+        """What the backward did not take is let go."""
+
+
 def received_dtype(role: str, own: dict[str, torch.Tensor], cast: torch.dtype | None = None) -> torch.dtype | None:
     """The dtype a replayed call's activation in ``role`` is handed over in: ``cast`` (a
     side running at another precision), else the dtype of the call's own tensor in that
@@ -238,4 +323,7 @@ def received_dtype(role: str, own: dict[str, torch.Tensor], cast: torch.dtype | 
     return cast or (own[role].dtype if role in own else None)
 
 
-__all__ = ["Side", "SideDefaults", "Judging", "Judged", "Hidden", "Frozen", "received_dtype"]
+__all__ = [
+    "Side", "SideDefaults", "Judging", "Judged", "Hidden", "Frozen", "received_dtype",
+    "Stepping", "GradientRuns", "Replaced", "ChildGradients",
+]

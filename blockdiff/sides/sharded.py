@@ -33,7 +33,8 @@ from ..store import MemoryStore, SiteStore
 from ..tolerance import Threshold
 from ..vocab import INPUT_GRADIENT, OUTPUT_GRADIENT, PARAMETER_GRADIENT, REPLICAS, reported_subpath
 from . import Frozen, Hidden, Judged, Judging, Side
-from .live import Gradients, LiveSide, ReplicaSplit
+from .gradients import GradientRunner, Gradients, ReplicaSplit
+from .live import LiveSide
 
 
 class ShardedSide(LiveSide):
@@ -49,6 +50,7 @@ class ShardedSide(LiveSide):
     def __init__(self, name: str, model: nn.Module, layout: Layout, *, label: str | None = None) -> None:
         super().__init__(name, model, layout, label=label, lockstep=True)
         self.meta["ranks"] = distributed.world()
+        self._gradients = ShardedGradients(self)
 
     def _whole(self, path: str, out: Any) -> Any:
         """``out`` of module ``path`` made whole: its primary tensor a local shard gathered
@@ -101,71 +103,6 @@ class ShardedSide(LiveSide):
         out, reached = super().run_block(path, call, hidden, modules, frozen)
         return self._whole(path, out), reached
 
-    # -- backward (blockdiff.backward) --------------------------------------------------------
-
-    def record_gradients(
-        self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True,
-        recorded: Callable[[], contextlib.AbstractContextManager] | None = None,
-    ) -> Gradients:
-        """The free-running backward on every rank (:meth:`LiveSide.record_gradients`), its
-        gradients whole — a local shard's gathered by the layout its site's tensor had —
-        and the first gradient in backward order whose replicas differ across ranks
-        (``replicas``): every rank holds each recorded gradient whole and should compute
-        the same bits, as in the forward. ``recorded``: as for :meth:`LiveSide.record_gradients`."""
-        # Every parameter's gradient too, for the replicas: a parameter every rank holds
-        # whole (a norm's weight) whose gradient is each rank's partial sum is a split.
-        found = super().record_gradients(inputs, loss, parameters=True, recorded=recorded)
-        for key in sorted(found.outputs):  # the same order on every rank: collectives
-            path = key[0]
-            declared = self.layout.options(path).shard_output
-            found.outputs[key] = distributed.made_whole(found.outputs[key], self.module(path), declared)
-        for key in sorted(found.inputs):
-            declared = self.layout.options(key[0]).shard_input
-            if declared is not None:
-                found.inputs[key] = distributed.declared_whole(found.inputs[key], declared)
-        found.replicas = gradient_split(found, replicated=self._replicated_parameters())
-        if not parameters:
-            found.parameters = {}
-        return found
-
-    def _replicated_parameters(self) -> set[str]:
-        """The parameters every rank holds the same bits of (a ``DTensor``'s whole value is
-        one on every rank): replicas, whose gradients must agree too. A plain parameter
-        that differs across ranks is each rank's own shard (hand-sharded weights, experts
-        of their own), whose gradient differs as it does."""
-        named = [(name, p) for name, p in self.module("").named_parameters() if p.is_floating_point()]
-        mine = ["" if distributed.is_distributed(p) else _digest(p.detach()) for _, p in named]
-        every = distributed.every_rank(mine)
-        return {name for index, (name, _) in enumerate(named) if len({found[index] for found in every}) == 1}
-
-    def _seed(self, path: str, call: Site, out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """The whole output gradient ``grad`` as this rank's part of the output ``out``: a
-        ``DTensor`` of its mesh and placements (a partial output's gradient is every
-        rank's whole), or a plain local shard's slice along the dimension its hook map
-        declares or its parallelization shows."""
-        from torch.distributed.tensor import DTensor, Replicate
-
-        if isinstance(out, DTensor):
-            placements = tuple(Replicate() if p.is_partial() else p for p in out.placements)
-            return distributed.laid_out(super()._seed(path, call, out, grad), out.device_mesh, placements)
-        declared = self.layout.options(path).shard_output
-        dim = distributed.local_output_dim(self.module(path), out) if declared is None else declared
-        if dim is None:
-            dim = _split_dim(grad, out)
-        if dim is not None and grad.dim() == out.dim():
-            grad = grad.chunk(distributed.world(), dim=dim)[distributed.rank()]
-        return super()._seed(path, call, out, grad)
-
-    def _whole_gradients(
-        self, call: Site, inputs: Hidden, params: dict[str, torch.Tensor]
-    ) -> tuple[Hidden, dict[str, torch.Tensor]]:
-        """Whole on every rank: an activation handed over in a sharded layout gets its
-        gradient on each rank's part only (summed over ranks); a ``DTensor`` parameter's
-        gradient is gathered."""
-        own = call.hidden_inputs()
-        inputs = {role: distributed.summed(g) if distributed.sharded_layout(own.get(role)) else g for role, g in inputs.items()}
-        return inputs, {name: distributed.whole(g, "cpu") if distributed.is_distributed(g) else g.to("cpu") for name, g in params.items()}
-
 
 class PipelineSide(LiveSide):
     """A model split into pipeline stages, one per rank of a launched run: each rank holds
@@ -181,6 +118,9 @@ class PipelineSide(LiveSide):
     # Its stages hand activations over point to point, outside autograd: its backward is
     # not the model's.
     backward_refused = "it is pipeline-parallel: its stages hand activations over outside autograd"
+
+    def gradient_runs(self) -> None:
+        return None
 
     def __init__(self, name: str, model: nn.Module, layout: Layout, layouts: list[Layout], *, label: str | None = None) -> None:
         super().__init__(name, model, layout, label=label, lockstep=True)
@@ -269,6 +209,75 @@ class PipelineSide(LiveSide):
                 order=at,
             )
             by_index[after].subpaths.setdefault("residual", SubpathResult("checked", order=at)).checks.insert(0, check)
+
+
+class ShardedGradients(GradientRunner):
+    """A sharded side's backward: its gradients whole on every rank, as its records are;
+    each module's backward seeded with this rank's part of the output's gradient."""
+
+    def record_gradients(
+        self, inputs: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], *, parameters: bool = True,
+        recorded: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> Gradients:
+        """The free-running backward on every rank (:meth:`GradientRunner.record_gradients`), its
+        gradients whole — a local shard's gathered by the layout its site's tensor had —
+        and the first gradient in backward order whose replicas differ across ranks
+        (``replicas``): every rank holds each recorded gradient whole and should compute
+        the same bits, as in the forward. ``recorded``: as for :meth:`GradientRunner.record_gradients`."""
+        # Every parameter's gradient too, for the replicas: a parameter every rank holds
+        # whole (a norm's weight) whose gradient is each rank's partial sum is a split.
+        layout = self.side.layout
+        found = super().record_gradients(inputs, loss, parameters=True, recorded=recorded)
+        for key in sorted(found.outputs):  # the same order on every rank: collectives
+            path = key[0]
+            declared = layout.options(path).shard_output
+            found.outputs[key] = distributed.made_whole(found.outputs[key], self.module(path), declared)
+        for key in sorted(found.inputs):
+            declared = layout.options(key[0]).shard_input
+            if declared is not None:
+                found.inputs[key] = distributed.declared_whole(found.inputs[key], declared)
+        found.replicas = gradient_split(found, replicated=self._replicated_parameters())
+        if not parameters:
+            found.parameters = {}
+        return found
+
+    def _replicated_parameters(self) -> set[str]:
+        """The parameters every rank holds the same bits of (a ``DTensor``'s whole value is
+        one on every rank): replicas, whose gradients must agree too. A plain parameter
+        that differs across ranks is each rank's own shard (hand-sharded weights, experts
+        of their own), whose gradient differs as it does."""
+        named = [(name, p) for name, p in self.module("").named_parameters() if p.is_floating_point()]
+        mine = ["" if distributed.is_distributed(p) else _digest(p.detach()) for _, p in named]
+        every = distributed.every_rank(mine)
+        return {name for index, (name, _) in enumerate(named) if len({found[index] for found in every}) == 1}
+
+    def _seed(self, path: str, call: Site, out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The whole output gradient ``grad`` as this rank's part of the output ``out``: a
+        ``DTensor`` of its mesh and placements (a partial output's gradient is every
+        rank's whole), or a plain local shard's slice along the dimension its hook map
+        declares or its parallelization shows."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if isinstance(out, DTensor):
+            placements = tuple(Replicate() if p.is_partial() else p for p in out.placements)
+            return distributed.laid_out(super()._seed(path, call, out, grad), out.device_mesh, placements)
+        declared = self.side.layout.options(path).shard_output
+        dim = distributed.local_output_dim(self.module(path), out) if declared is None else declared
+        if dim is None:
+            dim = _split_dim(grad, out)
+        if dim is not None and grad.dim() == out.dim():
+            grad = grad.chunk(distributed.world(), dim=dim)[distributed.rank()]
+        return super()._seed(path, call, out, grad)
+
+    def _whole_gradients(
+        self, call: Site, inputs: Hidden, params: dict[str, torch.Tensor]
+    ) -> tuple[Hidden, dict[str, torch.Tensor]]:
+        """Whole on every rank: an activation handed over in a sharded layout gets its
+        gradient on each rank's part only (summed over ranks); a ``DTensor`` parameter's
+        gradient is gathered."""
+        own = call.hidden_inputs()
+        inputs = {role: distributed.summed(g) if distributed.sharded_layout(own.get(role)) else g for role, g in inputs.items()}
+        return inputs, {name: distributed.whole(g, "cpu") if distributed.is_distributed(g) else g.to("cpu") for name, g in params.items()}
 
 
 def _split_dim(whole: torch.Tensor, local: torch.Tensor) -> int | None:
