@@ -25,25 +25,37 @@ ordinal, and the comparison needs both sides of each); :meth:`ForeignDumpWriter.
 names the ones missing. Arrays are any numpy arrays (``np.asarray`` of a JAX array, an
 ONNX Runtime output); ``ml_dtypes`` bfloat16 and float8 arrays are stored as raw bits,
 as blockdiff stores them.
+
+Written that way, a dump is the port's free run, judged on drift only. A port can be
+judged by local errors instead (teacher-forced, docs/runtimes.md): :class:`TeacherForcedWriter`
+writes its three runs — every site's value replaced by the reference's as it is computed,
+the block outputs replaced, free — each site passed through
+:meth:`ForeignDumpWriter.substitute`, which writes it and hands back what the port goes on
+with (the reference's value where the run replaces the site:
+:func:`blockdiff.vocab.replaced_in`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import h5py
 import numpy as np
 
 from .dump.format import (
     FORMAT,
+    FREE_RUN,
     NUMPY_NATIVE_NAMES,
     RAW_BITS_UNSIGNED,
     FORWARD_SCHEMA,
     STANDARD_ATTRIBUTES,
+    TEACHER_FORCED,
     attr,
     encode_meta,
     read_index,
@@ -51,6 +63,7 @@ from .dump.format import (
 )
 from .dump.packing import PackedFile, StoredTensor, elements, encode_index, one_line, site_record, temporary_path
 from .errors import DumpError
+from .vocab import BLOCK_OUTPUTS, EVERY_SITE, REPLACED_RUNS, replaced_in
 
 # The schema this module writes: the native writer's, whose file code it shares (a reader
 # reads every older schema too, foreign dumps of schema 3 included).
@@ -161,22 +174,53 @@ def reference_inputs(path: str | os.PathLike) -> Any:
             index = read_index(f)
             if index.get("inputs") is None:
                 return None
-
-            def load(ref: int) -> np.ndarray:
-                entry = index["tensors"][ref]
-                dset = f["tensors"][entry["data"]]
-                return read_packed(dset, entry, dset.dtype)[0].reshape(entry["shape"])
-
-            return _decode(index["inputs"], load)
+            return _decode(index["inputs"], _index_loader(f, index, typed=False))
         if "inputs" not in f:
             return None
         group = f["inputs"]
+        return _decode(json.loads(attr(group, "structure")), _group_loader(group, typed=False))
 
-        def load_dataset(ref: str) -> np.ndarray:
-            dset = group[ref]
-            return dset[()].reshape(json.loads(attr(dset, "shape")))
 
-        return _decode(json.loads(attr(group, "structure")), load_dataset)
+Loader = Callable[[Any], np.ndarray]
+
+
+def _index_loader(f: h5py.File, index: dict[str, Any], *, typed: bool) -> Loader:
+    """Reads a tensor of a schema-4 dump by its position in the index's ``tensors``."""
+
+    def load(ref: int) -> np.ndarray:
+        entry = index["tensors"][ref]
+        dset = f["tensors"][entry["data"]]
+        return _typed(read_packed(dset, entry, dset.dtype)[0], entry["dtype"], typed).reshape(entry["shape"])
+
+    return load
+
+
+def _group_loader(group: h5py.Group, *, typed: bool) -> Loader:
+    """Reads a tensor of an older dump by its dataset's name in ``group``."""
+
+    def load(ref: str) -> np.ndarray:
+        dset = group[ref]
+        return _typed(dset[()], attr(dset, "torch_dtype"), typed).reshape(json.loads(attr(dset, "shape")))
+
+    return load
+
+
+def _typed(stored: np.ndarray, name: str, typed: bool) -> np.ndarray:
+    """A tensor's stored elements, raw bits (bfloat16, float8) as their ``ml_dtypes`` type
+    when ``typed`` (else as the unsigned integers stored)."""
+    return stored.view(_numpy_dtype(name)) if typed and name in _RAW_BITS_NAMES else stored
+
+
+def _numpy_dtype(name: Any) -> np.dtype:
+    """The numpy dtype named ``name`` (a numpy dtype, or a name: ``"bfloat16"`` and the
+    float8 names through ``ml_dtypes``)."""
+    if isinstance(name, str) and name in _RAW_BITS_NAMES:
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise DumpError(f"{name} arrays need ml_dtypes: pip install ml_dtypes") from None
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
 
 
 def _decode(node: dict[str, Any], load: Any) -> Any:
@@ -255,7 +299,93 @@ class _Structure:
         return ref
 
 
-class ForeignDumpWriter:
+class _ReferenceValues:
+    """The reference dump open for its sites' outputs, each read when asked, as numpy
+    arrays of the stored dtypes (bfloat16 and float8 as ``ml_dtypes`` arrays)."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = _open_reference(path)
+        self._outputs: dict[tuple[str, int], tuple[dict[str, Any], Loader]] = {}
+        try:
+            if "index" in self.file:
+                index = read_index(self.file)
+                load = _index_loader(self.file, index, typed=True)
+                for record in index["sites"]:
+                    self._outputs[(str(record["module"]), int(record["call"]))] = (record["structure"]["output"], load)
+            else:
+                for group in self.file["sites"].values():
+                    output = json.loads(attr(group, "structure"))["output"]
+                    self._outputs[(attr(group, "module"), int(attr(group, "call")))] = (output, _group_loader(group, typed=True))
+        except BaseException:
+            self.file.close()
+            raise
+
+    def output(self, module: str, call: int) -> Any:
+        node, load = self._outputs[(module, call)]
+        return _decode(node, load)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _arrays(obj: Any) -> Iterator[Any]:
+    """The arrays of a structure, in the order :class:`_Structure` stores them."""
+    if obj is None or isinstance(obj, (bool, int, float, str, np.bool_, np.integer, np.floating)):
+        return
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _arrays(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _arrays(item)
+    else:
+        yield obj
+
+
+def _cast_like(reference: Any, own: Any, dtype: Any) -> Any:
+    """The reference's structure, each array cast to ``dtype`` or, ``None``, to the dtype of
+    the port's array it stands for (``own``, shaped alike: :meth:`ForeignDumpWriter.add`
+    checked it)."""
+    owned = iter(_arrays(own))
+    target = None if dtype is None else _numpy_dtype(dtype)
+
+    def cast(node: Any) -> Any:
+        if isinstance(node, np.ndarray):
+            return node.astype(target if target is not None else np.asarray(next(owned)).dtype, copy=False)
+        if isinstance(node, (tuple, list)):
+            return type(node)(cast(item) for item in node)
+        if isinstance(node, dict):
+            return {key: cast(item) for key, item in node.items()}
+        return node
+
+    return cast(reference)
+
+
+_Writer = TypeVar("_Writer", bound="_Written")
+
+
+class _Written:
+    """A writer as a context: closed on a clean exit (its files checked and renamed into
+    place), discarded on an exception (nothing left)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Writer) -> _Writer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+
+class ForeignDumpWriter(_Written):
     """Writes a candidate dump site by site from another runtime's arrays.
 
     Each :meth:`add` names a module of the reference (its path in the reference's hook
@@ -279,6 +409,11 @@ class ForeignDumpWriter:
         meta: more attributes to record (str, int, float, bool, or JSON-serializable).
         durable: flush the file to disk before the rename (fsync), as
             :class:`~blockdiff.dump.DumpWriter` does with ``durable=True``.
+        replacing: the run this dump is, for :meth:`substitute`: ``None`` (free: the
+            port's own values go on), or a replaced run (``"every site"``, ``"block
+            outputs"``): the reference's values go on where the run replaces them. A
+            replaced run may leave out a site the runtime does not expose (its check is then
+            not judged); :class:`TeacherForcedWriter` writes the three runs of a port.
     """
 
     def __init__(
@@ -291,9 +426,14 @@ class ForeignDumpWriter:
         device: str = "cpu",
         meta: dict[str, Any] | None = None,
         durable: bool = False,
+        replacing: str | None = None,
     ) -> None:
+        if replacing is not None and replacing not in REPLACED_RUNS:
+            raise DumpError(f"replacing={replacing!r}: expected None or one of {', '.join(map(repr, REPLACED_RUNS))}")
         self.path = Path(path)
         self.durable = durable
+        self.replacing = replacing
+        self._values: _ReferenceValues | None = None  # opened by the first substitute
         self.reference = Path(reference)
         self.expected = {(s.module, s.call): s for s in reference_sites(self.reference)}
         ref_meta = reference_meta(self.reference)
@@ -354,6 +494,31 @@ class ForeignDumpWriter:
         if self.dtype is None:
             self.dtype = next((d for d in structure.dtypes[arguments:] if "float" in d), None)
 
+    def substitute(self, module: str, value: Any, *, call: int | None = None, args: tuple = (), dtype: Any = None) -> Any:
+        """Write ``value`` at the reference's site ``module`` (:meth:`add`) and return what
+        the port goes on with: in a run that replaces the site, the reference's value there
+        (numpy arrays at the reference's shapes, in the structure of its output), else
+        ``value`` itself. Pass each site's value through here as the port computes it, in
+        execution order, and compute on with what comes back.
+
+        Args:
+            module, args: as for :meth:`add`.
+            call: which call of ``module`` (default: the next one not written yet).
+            dtype: the dtype of the arrays handed back (``"bfloat16"``: ``ml_dtypes``);
+                default, each the dtype of the port's own array it stands for.
+
+        >>> h = w.substitute("blocks.0.attn_norm", rms_norm(x, weight))  # doctest: +SKIP
+        """
+        if call is None:
+            call = next(n for n in itertools.count() if (module, n) not in self.written)
+        self.add(module, value, call=call, args=args)
+        site = self.expected[(module, call)]
+        if self.replacing is None or not replaced_in(self.replacing, site.stage, site.subpath):
+            return value
+        if self._values is None:
+            self._values = _ReferenceValues(self.reference)
+        return _cast_like(self._values.output(module, call), value, dtype)
+
     def add_inputs(self, inputs: Any) -> None:
         """Record the model inputs the runtime ran on (what :func:`reference_inputs` gave):
         the comparison refuses a dump captured on other inputs."""
@@ -372,11 +537,13 @@ class ForeignDumpWriter:
     def close(self) -> None:
         """Check every site was written, write the index, the file attributes, the
         metadata digest and ``complete`` last, and rename the file to its path. Missing
-        sites: a :class:`~blockdiff.errors.DumpError` naming them, and no file."""
+        sites: a :class:`~blockdiff.errors.DumpError` naming them, and no file (a replaced
+        run may miss sites: those the runtime does not expose)."""
         file = self._open()
         self._file = None
+        self._release()
         try:
-            missing = self.missing()
+            missing = self.missing() if self.replacing is None else []
             if missing:
                 names = ", ".join(s.label for s in missing[:6])
                 raise DumpError(
@@ -394,8 +561,14 @@ class ForeignDumpWriter:
     def abort(self) -> None:
         """Discard the dump: nothing is left at ``path``, nor the temporary file."""
         file, self._file = self._file, None
+        self._release()
         if file is not None:
             file.abort()
+
+    def _release(self) -> None:
+        values, self._values = self._values, None
+        if values is not None:
+            values.close()
 
     def _write(self, tensors: list[StoredTensor], what: str) -> None:
         """The tensors of one call, written at once, with their checksums, into the index.
@@ -428,19 +601,109 @@ class ForeignDumpWriter:
             raise DumpError(f"{self.path}: the writer is closed", path=str(self.path))
         return self._file
 
-    def __enter__(self) -> "ForeignDumpWriter":
-        return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        if exc_type is None:
-            self.close()
-        else:
+# The file of each replaced run, beside the free run's: ``port.h5`` → ``port.every.h5``.
+_RUN_FILES = {EVERY_SITE: "every", BLOCK_OUTPUTS: "blocks"}
+
+
+def run_path(path: str | os.PathLike, run: str) -> Path:
+    """Where :class:`TeacherForcedWriter` writes ``run`` of the dump ``path``: the free run
+    (``"free"``) at ``path``, a replaced run beside it (``port.every.h5``, ``port.blocks.h5``)."""
+    path = Path(path)
+    if run == FREE_RUN:
+        return path
+    return path.with_name(f"{path.stem}.{_RUN_FILES[run]}{path.suffix}")
+
+
+class TeacherForcedWriter(_Written):
+    """Writes a port judged teacher-forced: its runs on the reference's inputs, one dump each,
+    which ``blockdiff diff ref.h5 port.h5`` judges by local errors, not drift alone.
+
+    The port runs once per writer :meth:`runs` yields, passing each site's value through
+    that writer's :meth:`~ForeignDumpWriter.substitute` as it computes it and going on with
+    what comes back: in the run replacing **every site** (but the head) the reference's
+    value, so each sub-path computes from the reference's inputs and what it recorded is
+    its local error; in the run replacing the **block outputs** (and the embedding), each
+    block runs whole on the reference's input; in the **free** run, its own values (drift).
+    The free run is written last, at ``path``, naming the others (:func:`run_path`) in its
+    ``teacher_forced`` attribute; a writing that fails leaves none of them.
+
+    >>> with TeacherForcedWriter("port.h5", reference="ref.h5", runtime="jax 0.10 cpu") as w:  # doctest: +SKIP
+    ...     w.add_inputs(ids)
+    ...     for run in w.runs():             # every site replaced, block outputs replaced, free
+    ...         my_port(ids, at=run.substitute)
+
+    Args:
+        path, reference, meta: as for :class:`ForeignDumpWriter`.
+        runs: the replaced runs to write (``"every site"``, ``"block outputs"``). Without
+            the block outputs' run, the whole-block checks are not judged.
+        options: for each run's :class:`ForeignDumpWriter` (``runtime``, ``dtype``,
+            ``device``, ``durable``).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        reference: str | os.PathLike,
+        runs: tuple[str, ...] = REPLACED_RUNS,
+        meta: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        unknown = [run for run in runs if run not in REPLACED_RUNS]
+        if unknown or not runs:
+            raise DumpError(f"runs={runs!r}: expected some of {', '.join(map(repr, REPLACED_RUNS))}")
+        self.path = Path(path)
+        self.order = (*[run for run in REPLACED_RUNS if run in runs], FREE_RUN)
+        self._options = {"reference": reference, **options}  # each run's ForeignDumpWriter's
+        self._meta = dict(meta or {})
+        # What each run's ``teacher_forced`` attribute says besides the run it is.
+        self._linked = {"id": uuid.uuid4().hex, "runs": {run: run_path(self.path, run).name for run in self.order}}
+        self._inputs: list[Any] = []
+        self._current: ForeignDumpWriter | None = None
+        self.written: list[Path] = []
+
+    def add_inputs(self, inputs: Any) -> None:
+        """The model inputs the port runs on, recorded in each run's dump."""
+        self._inputs = [inputs]
+
+    def runs(self) -> Iterator[ForeignDumpWriter]:
+        """A writer per run, in turn (the replaced runs, then the free one): run the port
+        once with each. A run's dump is closed, and its sites checked, when the loop goes on."""
+        for run in self.order[len(self.written):]:
+            self._current = writer = ForeignDumpWriter(
+                run_path(self.path, run), **self._options, replacing=None if run == FREE_RUN else run,
+                meta={**self._meta, TEACHER_FORCED: {**self._linked, "run": run}},
+            )
+            for inputs in self._inputs:
+                writer.add_inputs(inputs)
+            yield writer
+            self._current = None
+            writer.close()
+            self.written.append(writer.path)
+
+    def close(self) -> None:
+        """Check every run was written (the free run, written last, is then at ``path``)."""
+        if len(self.written) < len(self.order):
+            left = ", ".join(self.order[len(self.written):])
             self.abort()
-        return False
+            raise DumpError(f"{self.path}: the port's runs were not all written (left: {left}); loop over runs() to the end")
+
+    def abort(self) -> None:
+        """Discard every run: the one being written and those already renamed."""
+        current, self._current = self._current, None
+        if current is not None:
+            current.abort()
+        for path in self.written:
+            path.unlink(missing_ok=True)
+        self.written = []
 
 
 def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
     return ", ".join(str(list(s)) for s in shapes) if shapes else "none"
 
 
-__all__ = ["ForeignDumpWriter", "ReferenceSite", "reference_sites", "reference_inputs", "reference_meta", "WRITES_SCHEMA"]
+__all__ = [
+    "ForeignDumpWriter", "ReferenceSite", "TeacherForcedWriter", "reference_sites", "reference_inputs", "reference_meta",
+    "run_path", "WRITES_SCHEMA",
+]

@@ -4,7 +4,10 @@ Keys name the site and the place inside it: ``MODULE#CALL/output/0``,
 ``MODULE#CALL/args/0``, ``MODULE#CALL/kwargs/NAME/0`` (the last number counts the tensors
 of that part, in order) and ``inputs/0``. safetensors has no data checksum, so
 ``OUT.manifest.json`` records each tensor's sha256 (and the whole file's);
-:func:`load_export` checks them on every read.
+:func:`load_export` checks them on every read. The manifest's ``sites`` list each site in
+execution order with its anatomy, its output tensors' keys and the teacher-forced runs that
+substitute its value (``replaced_in``): what an engine outside Python needs to implement
+the protocol of docs/runtimes.md ("Any other runtime") from the export alone.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .dtypes import dtype_name
 from .dump import DumpReader
 from .errors import DumpError
 from .site import iter_tensors
+from .vocab import REPLACED_RUNS, replaced_in
 
 MANIFEST_FORMAT = "blockdiff.export/1"
 
@@ -61,6 +65,7 @@ def export_safetensors(dump_path: str | Path, out: str | Path) -> dict[str, Any]
 
     out = Path(out)
     tensors: dict[str, torch.Tensor] = {}
+    sites: list[dict[str, Any]] = []
     with DumpReader(dump_path) as dump:
         steps = dump.steps()  # a decode's sites are named by step: step3/MODULE#CALL/...
         views = [("", dump)] if steps is None else [(f"step{t}/", dump.at_step(t)) for t in range(steps + 1)]
@@ -72,6 +77,7 @@ def export_safetensors(dump_path: str | Path, out: str | Path) -> dict[str, Any]
                 for part, value in parts:
                     for i, t in enumerate(iter_tensors(value)):
                         tensors[f"{base}/{part}/{i}"] = t.contiguous()
+                sites.append(_site_entry(base, site, prefix))
         inputs = dump.inputs()
         for i, t in enumerate(iter_tensors(inputs)):
             tensors[f"inputs/{i}"] = t.contiguous()
@@ -88,9 +94,23 @@ def export_safetensors(dump_path: str | Path, out: str | Path) -> dict[str, Any]
         "file": out.name,
         "file_sha256": _file_digest(out),
         "tensors": {k: {"sha256": _digest(t), "dtype": dtype_name(t.dtype), "shape": list(t.shape)} for k, t in tensors.items()},
+        "sites": sites,
     }
     manifest_path(out).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return manifest
+
+
+def _site_entry(base: str, site: Any, prefix: str) -> dict[str, Any]:
+    """A site as the manifest lists it: its key prefix, anatomy (as the dump's index records
+    it), output tensors' keys, and the teacher-forced runs that substitute its value."""
+    outputs = [f"{base}/output/{i}" for i, _ in enumerate(iter_tensors(site.output))]
+    entry = {
+        "site": base, "module": site.module, "call": site.call, "stage": site.stage,
+        "block": -1 if site.block is None else site.block, "subpath": site.subpath or "", "ordinal": site.ordinal,
+        "order": site.order, "outputs": outputs,
+        "replaced_in": [run for run in REPLACED_RUNS if replaced_in(run, site.stage, site.subpath)],
+    }
+    return {**entry, "step": int(prefix[4:-1])} if prefix else entry
 
 
 def load_export(path: str | Path, *, verify: bool = True) -> dict[str, torch.Tensor]:

@@ -53,6 +53,15 @@ REPLICAS = "replicas"
 INPUT_GRADIENT = "input gradient"
 OUTPUT_GRADIENT = "output gradient"
 PARAMETER_GRADIENT = "parameter gradient: {}"
+# Teacher-forced replacement (docs/design.md): a candidate's runs in which the reference's
+# value is substituted for the runtime's at each site the run replaces, in execution order —
+# every site's (local errors, the residual), or the block outputs' and the embedding's (each
+# block whole on the reference's input). The rule is :func:`replaced_in`, shared by the
+# sides that run a runtime (blockdiff.sides.replaced) and the dump writer for any other
+# (blockdiff.dumpfile), which imports no torch.
+EVERY_SITE = "every site"
+BLOCK_OUTPUTS = "block outputs"
+REPLACED_RUNS = (EVERY_SITE, BLOCK_OUTPUTS)
 # The free-running candidate judged against its tolerance at a site: the "drift" target,
 # calibrated against the reference's own free run at the candidate's precision. Its
 # divergence, when no local check explains it, is blamed on the sub-path "drift".
@@ -75,3 +84,14 @@ def reported_subpath(subpath: str | None) -> str:
     if subpath is None:
         return "residual"
     return "ffn" if subpath == "router" else subpath
+
+
+def replaced_in(run: str, stage: str, subpath: str | None) -> bool:
+    """Whether a run replacing ``run`` (:data:`EVERY_SITE` or :data:`BLOCK_OUTPUTS`)
+    substitutes the reference's value for the output of a site at ``stage`` and ``subpath``
+    (``None`` or ``""``: a block's own call): every site but the head, after which nothing
+    runs; or a block's own output and the embedding, so that each block runs whole on the
+    reference's input."""
+    if run == EVERY_SITE:
+        return stage != "head"
+    return stage == "embed" or (stage == "block" and not subpath)

@@ -3,13 +3,19 @@ candidate dump blockdiff compares with the PyTorch reference.
 
 The foreign-runtime path end to end: the reference's weights exported to safetensors, the
 reference captured to a dump, this port run on the dump's own token ids, and every site of
-the reference written with :class:`blockdiff.dumpfile.ForeignDumpWriter` (no torch here):
+the reference written with :mod:`blockdiff.dumpfile` (no torch here):
 
     python -c "from samples import tinylm; from safetensors.torch import save_model; \\
                save_model(tinylm.build(), 'tinylm.safetensors')"
     blockdiff capture samples/tinylm.py:build --out ref.h5
-    python samples/jax_tinylm.py tinylm.safetensors ref.h5 jax.h5
+    python samples/jax_tinylm.py tinylm.safetensors ref.h5 jax.h5 --teacher-forced
     blockdiff diff ref.h5 jax.h5
+
+``--teacher-forced`` runs the port three times (:class:`~blockdiff.dumpfile.TeacherForcedWriter`):
+with every site's value replaced by the reference's as it is computed, with the block
+outputs replaced, and free; the diff then judges each sub-path by its local error. Without
+it the port runs once, free, and is judged on drift only
+(:class:`~blockdiff.dumpfile.ForeignDumpWriter`).
 
 ``--bug gelu@2`` (the ffn of block 2 uses GELU) or ``--bug scale@1`` (block 1's attention
 scores scaled by 1/head_dim instead of 1/sqrt(head_dim)) plants a bug, which the
@@ -20,14 +26,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file
 
-from blockdiff.dumpfile import ForeignDumpWriter, reference_inputs
+from blockdiff.dumpfile import ForeignDumpWriter, TeacherForcedWriter, reference_inputs
 
 jax.config.update("jax_default_matmul_precision", "highest")  # float32 matmuls, as torch on CPU
 
@@ -118,37 +124,53 @@ def params_from(weights: dict[str, np.ndarray]) -> dict[str, Any]:
     return {"embed": embed, "head": w.get("lm_head.weight", embed), "norm": w["norm.weight"], "blocks": blocks}
 
 
-def forward(params: dict, ids: np.ndarray, cfg: Config = Config(), bug: Bug | None = None) -> dict[str, Any]:
-    """The model's forward, returning what each of the reference's sites computed, by module
-    path (tinylm's hook map: embed, rotary, blocks.i and its norms, attn, ffn; norm, lm_head)."""
-    out: dict[str, Any] = {}
-    x = out["embed"] = params["embed"][jnp.asarray(ids)]
+# What the forward does with each site's value: ``at(module, value, *inputs)`` returns what
+# it goes on with (the value itself, or in a teacher-forced run the reference's).
+At = Callable[..., Any]
+
+
+def unchanged(module: str, value: Any, *inputs: Any) -> Any:
+    return value
+
+
+def forward(params: dict, ids: np.ndarray, cfg: Config = Config(), bug: Bug | None = None, *, at: At = unchanged) -> Any:
+    """The model's forward, handing each of the reference's sites (tinylm's hook map: embed,
+    rotary, blocks.i and its norms, attn, ffn; norm, lm_head) to ``at`` with its hidden
+    input as it is computed, and going on with what ``at`` returns. Returns the logits."""
+    x = at("embed", params["embed"][jnp.asarray(ids)])
     head_dim = x.shape[-1] // cfg.heads
-    cos, sin = out["rotary"] = rotary(ids.shape[-1], head_dim, cfg.rope_theta)
+    cos, sin = at("rotary", rotary(ids.shape[-1], head_dim, cfg.rope_theta))
     for i, w in enumerate(params["blocks"]):
         here = bug is not None and bug.block == i
         p = f"blocks.{i}"
-        h = out[f"{p}.attn_norm"] = rms_norm(x, w["attn_norm"], cfg.eps)
-        a = out[f"{p}.attn"] = attention(w["attn"], h, cos, sin, cfg, scale_bug=here and bug.kind == "scale")
-        x = x + a
-        h = out[f"{p}.ffn_norm"] = rms_norm(x, w["ffn_norm"], cfg.eps)
-        f = out[f"{p}.ffn"] = swiglu(w["ffn"], h, gelu_bug=here and bug.kind == "gelu")
-        x = out[p] = x + f
-    h = out["norm"] = rms_norm(x, params["norm"], cfg.eps)
-    out["lm_head"] = h @ params["head"].T
-    return out
+        h = at(f"{p}.attn_norm", rms_norm(x, w["attn_norm"], cfg.eps), x)
+        a = at(f"{p}.attn", attention(w["attn"], h, cos, sin, cfg, scale_bug=here and bug.kind == "scale"), h)
+        h = at(f"{p}.ffn_norm", rms_norm(x + a, w["ffn_norm"], cfg.eps), x + a)
+        f = at(f"{p}.ffn", swiglu(w["ffn"], h, gelu_bug=here and bug.kind == "gelu"), h)
+        x = at(p, x + a + f, x)
+    h = at("norm", rms_norm(x, params["norm"], cfg.eps), x)
+    return at("lm_head", h @ params["head"].T, h)
 
 
-def write_dump(weights: str, reference: str, out: str, *, bug: Bug | None = None) -> None:
-    """Run the port on the reference dump's token ids and write every site into ``out``."""
+def write_dump(weights: str, reference: str, out: str, *, bug: Bug | None = None, teacher_forced: bool = False) -> None:
+    """Run the port on the reference dump's token ids, writing every site into ``out``: one
+    free run, or (``teacher_forced``) its three runs, the reference's values substituted."""
     ids = reference_inputs(reference)
-    computed = forward(params_from(load_file(weights)), ids, bug=bug)
+    params = params_from(load_file(weights))
     runtime = f"jax {jax.__version__} {jax.default_backend()}" + (f" (bug {bug.kind}@{bug.block})" if bug else "")
-    with ForeignDumpWriter(out, reference=reference, runtime=runtime) as writer:
-        writer.add_inputs(ids)
-        for site in writer.sites():
-            value = computed[site.module]
-            writer.add(site.module, tuple(map(np.asarray, value)) if isinstance(value, tuple) else np.asarray(value))
+
+    def run_into(dump: ForeignDumpWriter) -> None:  # each site written, the port going on with what comes back
+        forward(params, ids, bug=bug, at=lambda module, value, *inputs: dump.substitute(module, value, args=inputs))
+
+    if not teacher_forced:
+        with ForeignDumpWriter(out, reference=reference, runtime=runtime) as writer:
+            writer.add_inputs(ids)
+            run_into(writer)
+        return
+    with TeacherForcedWriter(out, reference=reference, runtime=runtime) as forced:
+        forced.add_inputs(ids)
+        for run in forced.runs():  # every site replaced, the block outputs replaced, free
+            run_into(run)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,8 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("reference", help="the reference dump (blockdiff capture ... --out ref.h5)")
     parser.add_argument("out", help="the candidate dump to write")
     parser.add_argument("--bug", type=Bug.parse, help="plant a bug: gelu@BLOCK or scale@BLOCK")
+    parser.add_argument(
+        "--teacher-forced", action="store_true",
+        help="write the runs with the reference's values substituted (judged by local errors, not drift)",
+    )
     args = parser.parse_args(argv)
-    write_dump(args.weights, args.reference, args.out, bug=args.bug)
+    write_dump(args.weights, args.reference, args.out, bug=args.bug, teacher_forced=args.teacher_forced)
     print(f"wrote {args.out}")
 
 

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from blockdiff.dump import DumpReader
-from blockdiff.dumpfile import ForeignDumpWriter, reference_inputs, reference_meta, reference_sites
+from blockdiff.dumpfile import (
+    ForeignDumpWriter, TeacherForcedWriter, reference_inputs, reference_meta, reference_sites, run_path,
+)
 from blockdiff.engine import capture, run
 from blockdiff.errors import DumpError
 from blockdiff.site import iter_tensors
@@ -282,3 +284,194 @@ def test_a_schema_3_foreign_dump_still_reads_and_compares(reference: Path, outpu
     assert np.array_equal(reference_inputs(path), reference_inputs(reference))
     assert run(str(reference), str(path)).first_divergence is None
 
+
+
+# -- teacher-forced: the port's runs with the reference's values substituted
+
+
+def port(writer: ForeignDumpWriter, outputs: dict, *, change=lambda module, out: out, **options) -> dict:
+    """A port made of the reference's outputs (each through ``change``), each site's value
+    passed through ``writer.substitute`` in execution order: what came back, by site."""
+    got = {}
+    for site in writer.sites():
+        got[(site.module, site.call)] = writer.substitute(site.module, change(site.module, outputs[(site.module, site.call)]), **options)
+    return got
+
+
+def test_each_run_hands_the_port_the_reference_values_it_replaces(reference: Path, outputs: dict, tmp_path: Path):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+
+    def to_bf16(module, out):
+        return tuple(a.astype(ml_dtypes.bfloat16) for a in out) if isinstance(out, tuple) else out.astype(ml_dtypes.bfloat16)
+
+    def shifted(module, out):  # the port's own values: the reference's, bfloat16, off by 1%
+        return tuple(a * 1.01 for a in to_bf16(module, out)) if isinstance(out, tuple) else to_bf16(module, out) * 1.01
+
+    path, handed = tmp_path / "port.h5", {}
+    with TeacherForcedWriter(path, reference=reference, runtime="numpy port") as writer:
+        writer.add_inputs(reference_inputs(reference))
+        for dump in writer.runs():
+            handed[dump.replacing] = port(dump, outputs, change=shifted)
+    sites = {(s.module, s.call): s for s in reference_sites(reference)}
+    for which, got in handed.items():
+        for key, value in got.items():
+            stage, subpath = sites[key].stage, sites[key].subpath
+            replaced = {None: False, "every site": stage != "head", "block outputs": stage == "embed" or (stage == "block" and not subpath)}[which]
+            want = to_bf16(key[0], outputs[key]) if replaced else shifted(key[0], outputs[key])
+            for a, b in zip(value if isinstance(value, tuple) else (value,), want if isinstance(want, tuple) else (want,)):
+                assert a.dtype == ml_dtypes.bfloat16 and np.array_equal(a, b), (which, key)
+    assert handed.keys() == {"every site", "block outputs", None}
+    # Three dumps, the free one at the path naming the others, each holding the inputs.
+    linked = [DumpReader(run_path(path, which)) for which in ("free", "every site", "block outputs")]
+    try:
+        forced = [dump.meta["teacher_forced"] for dump in linked]
+        assert [f["run"] for f in forced] == ["free", "every site", "block outputs"]
+        assert len({f["id"] for f in forced}) == 1
+        assert forced[0]["runs"] == {"every site": "port.every.h5", "block outputs": "port.blocks.h5", "free": "port.h5"}
+        assert all(torch.equal(dump.inputs(), linked[0].inputs()) for dump in linked)
+    finally:
+        for dump in linked:
+            dump.close()
+    # Asked for another dtype, the reference's values come in it; calls are numbered by default.
+    with ForeignDumpWriter(tmp_path / "f32.h5", reference=reference, replacing="every site") as dump:
+        value = dump.substitute("blocks.0.ffn", to_bf16("", outputs[("blocks.0.ffn", 0)]), dtype="float32")
+        assert value.dtype == np.float32 and np.array_equal(value, outputs[("blocks.0.ffn", 0)])
+        assert ("blocks.0.ffn", 0) in dump.written
+
+
+def test_a_teacher_forced_port_is_judged_by_local_errors(reference: Path, outputs: dict, tmp_path: Path):
+    """Block 2's ffn off by 1% in every run: a local error there, nothing else blamed."""
+
+    def off(module, out):
+        return out * 1.01 if module == "blocks.2.ffn" else out
+
+    path = tmp_path / "port.h5"
+    with TeacherForcedWriter(path, reference=reference, runtime="numpy port") as writer:
+        writer.add_inputs(reference_inputs(reference))
+        for dump in writer.runs():
+            port(dump, outputs, change=off)
+    report = run(str(reference), str(path))
+    first = report.first_divergence
+    assert (first.block, first.subpath, first.check.key) == (2, "ffn", "module:block 2 ffn")
+    assert [(d.block, d.subpath) for d in report.divergences] == [(2, "ffn")]
+    assert report.blocks[2].subpaths["ffn"].status == "checked"
+
+
+def test_a_site_the_port_leaves_out_is_not_judged_nor_what_it_feeds(reference: Path, outputs: dict, tmp_path: Path):
+    """Block 1's ffn norm fused away (never written, so never substituted) and wrong by 1%:
+    the ffn it feeds ran on the port's own value, so neither is judged; the block's check
+    still sees the error, unattributed, and no sub-path of it or a neighbour is blamed."""
+
+    def off(run, module, out):
+        """The norm's error carried into the ffn; into the block's output unless the run
+        handed the residual add the reference's ffn output (the run replacing every site)."""
+        carried = ("blocks.1.ffn_norm", "blocks.1.ffn") + (("blocks.1",) if run != "every site" else ())
+        return out * 1.01 if module in carried else out
+
+    def fused(dump, change):
+        for site in dump.sites():
+            if site.module != "blocks.1.ffn_norm" or dump.replacing is None:
+                dump.substitute(site.module, change(dump.replacing, site.module, outputs[(site.module, site.call)]), call=site.call)
+
+    for name, change, blamed in (("clean", lambda r, m, o: o, None), ("buggy", off, (1, "unattributed"))):
+        path = tmp_path / f"{name}.h5"
+        with TeacherForcedWriter(path, reference=reference, runtime="numpy port") as writer:
+            writer.add_inputs(reference_inputs(reference))
+            for dump in writer.runs():
+                fused(dump, change)
+        report = run(str(reference), str(path))
+        first = report.first_divergence
+        assert (first and (first.block, first.subpath)) == blamed, name
+        ffn = report.blocks[1].subpaths["ffn"]
+        assert ffn.status == "not_judged" and report.blocks[0].subpaths["ffn"].status == "checked"
+        assert any("no value for the input of block 1 ffn" in note for note in report.notes), report.notes
+        assert not any(c.diverged for b in report.blocks for sub in b.subpaths.values() for c in sub.checks), name
+
+
+def test_without_the_block_outputs_run_whole_blocks_are_not_judged(reference: Path, outputs: dict, tmp_path: Path):
+    path = tmp_path / "every.h5"
+    with TeacherForcedWriter(path, reference=reference, runtime="numpy port", runs=("every site",)) as writer:
+        for dump in writer.runs():
+            port(dump, outputs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["every.every.h5", "every.h5"]
+    report = run(str(reference), str(path))
+    assert report.first_divergence is None
+    assert report.blocks[3].block is None and report.blocks[3].subpaths["ffn"].status == "checked"
+    assert any("every.h5 was written without its run replacing block outputs" in note for note in report.notes)
+
+
+def test_a_port_s_runs_are_written_together_or_not_at_all(reference: Path, outputs: dict, tmp_path: Path):
+    path = tmp_path / "port.h5"
+    with pytest.raises(ValueError, match="the port failed"):
+        with TeacherForcedWriter(path, reference=reference) as writer:
+            for n, dump in enumerate(writer.runs()):
+                if n == 1:
+                    raise ValueError("the port failed")
+                port(dump, outputs)
+    assert not list(tmp_path.iterdir()), "the first run's dump is removed with the rest"
+    with pytest.raises(DumpError, match=r"the port's runs were not all written \(left: every site, block outputs, free\)"):
+        with TeacherForcedWriter(path, reference=reference) as writer:
+            for dump in writer.runs():
+                port(dump, outputs)
+                break
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_port_s_runs_are_read_only_together(reference: Path, outputs: dict, tmp_path: Path):
+    for name in ("a", "b"):
+        with TeacherForcedWriter(tmp_path / f"{name}.h5", reference=reference) as writer:
+            for dump in writer.runs():
+                port(dump, outputs)
+    with pytest.raises(DumpError, match=r"a.every.h5 is the run replacing every site of a port written teacher-forced: diff its free run, a.h5"):
+        run(str(reference), str(tmp_path / "a.every.h5"))
+    (tmp_path / "b.blocks.h5").replace(tmp_path / "a.blocks.h5")
+    with pytest.raises(DumpError, match=r"a.blocks.h5 is not the run replacing block outputs written with .*a.h5 \(another writing's\)"):
+        run(str(reference), str(tmp_path / "a.h5"))
+    (tmp_path / "a.blocks.h5").unlink()
+    with pytest.raises(DumpError, match=r"a.h5 names its run replacing block outputs, a.blocks.h5, which is not beside it"):
+        run(str(reference), str(tmp_path / "a.h5"))
+
+
+def test_an_engine_s_own_files_become_its_runs(reference: Path, tmp_path: Path):
+    """docs/runtimes.md, "From an engine's own files": an engine outside Python reads the
+    reference's values from `blockdiff export` (the manifest's sites, in order, and the runs
+    that replace each), records its runs as safetensors files named by the export's keys,
+    and a few lines of Python write the dumps. The engine here: block 2's ffn 1% off."""
+    from safetensors.numpy import load_file, save_file
+
+    from blockdiff.engine import run as diff  # `run` below is the documented lines' loop variable
+    from blockdiff.export import export_safetensors
+
+    manifest = export_safetensors(reference, tmp_path / "ref.safetensors")
+    values = load_file(str(tmp_path / "ref.safetensors"))
+    assert [s["order"] for s in manifest["sites"]] == sorted(s["order"] for s in manifest["sites"])
+    by_module = {s["module"]: s for s in manifest["sites"]}
+    assert by_module["blocks.1"]["replaced_in"] == ["every site", "block outputs"]
+    assert by_module["blocks.1.ffn"]["replaced_in"] == ["every site"] and by_module["lm_head"]["replaced_in"] == []
+    for run, name in (("every site", "every"), ("block outputs", "blocks"), (None, "free")):
+        recorded = {}
+        for site in manifest["sites"]:
+            for key in site["outputs"]:  # what the engine computed there (the rotary tables: fused away)
+                if site["module"] != "rotary" or run is None:
+                    recorded[key] = values[key] * (1.01 if site["module"] == "blocks.2.ffn" else 1.0)
+        save_file(recorded, str(tmp_path / f"{name}.safetensors"))
+
+    # The documented lines, as they stand in docs/runtimes.md (paths made the test's own).
+    recorded = {"every site": load_file(str(tmp_path / "every.safetensors")),
+                "block outputs": load_file(str(tmp_path / "blocks.safetensors")),
+                None: load_file(str(tmp_path / "free.safetensors"))}
+    with TeacherForcedWriter(tmp_path / "port.h5", reference=reference, runtime="myengine 1.4 cpu") as w:
+        w.add_inputs(reference_inputs(reference))
+        for run in w.runs():
+            values = recorded[run.replacing]
+            for site in run.sites():
+                found = [values[f"{site.module}#{site.call}/output/{i}"] for i in range(len(site.outputs))
+                         if f"{site.module}#{site.call}/output/{i}" in values]
+                if found:
+                    run.add(site.module, found[0] if len(found) == 1 else tuple(found), call=site.call)
+
+    report = diff(str(reference), str(tmp_path / "port.h5"))
+    first = report.first_divergence
+    assert (first.block, first.subpath, first.check.key) == (2, "ffn", "module:block 2 ffn")
+    assert [(d.block, d.subpath) for d in report.divergences] == [(2, "ffn")]
+    assert any("context: not judged: myengine 1.4 cpu exposes no value for context (rotary)" in n for n in report.notes)

@@ -51,6 +51,12 @@ STANDARD_ATTRIBUTES = (
     "metadata_digest",
     "complete",
 )
+# The meta attribute of the dumps of a candidate judged teacher-forced (docs/dump-format.md,
+# "Teacher-forced runs"), JSON: ``{"id": ..., "run": RUN, "runs": {RUN: FILE NAME}}``, RUN
+# ``"free"`` (the dump a diff is given) or a replaced run (``blockdiff.vocab.REPLACED_RUNS``),
+# the others' files beside it; ``id`` the same in every run of one writing.
+TEACHER_FORCED = "teacher_forced"
+FREE_RUN = "free"
 # Written after everything else, so they are outside what the metadata digest covers.
 _UNDIGESTED = ("metadata_digest", "complete")
 

@@ -31,10 +31,11 @@ from ..errors import InputError, PairingError
 from ..hookmap import BlockLayout, Layout
 from ..site import NotReplayable, Site, SiteKey
 from ..store import MemoryStore, SiteStore
+from ..vocab import BLOCK_OUTPUTS, EVERY_SITE, replaced_in
 from . import Frozen, Hidden, Judged, Judging, Side, SideDefaults
 
 # What a replaced run substitutes: every site, or the block outputs (and the embedding).
-EVERY, BLOCKS = "every site", "block outputs"
+EVERY, BLOCKS = EVERY_SITE, BLOCK_OUTPUTS
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,9 @@ class Tap:
     input: str | None
 
     def replaced_in(self, which: str) -> bool:
-        """Whether a run replacing ``which`` overwrites this site's output."""
-        if which == EVERY:
-            return self.key.stage != "head"  # nothing runs after the head
-        return self.key.stage == "embed" or (self.key.stage == "block" and self.key.subpath is None)
+        """Whether a run replacing ``which`` overwrites this site's output (the rule:
+        :func:`blockdiff.vocab.replaced_in`)."""
+        return replaced_in(which, self.key.stage, self.key.subpath)
 
 
 # The reference's value for a runtime's output name, or None (the runtime keeps its own).
@@ -269,13 +269,24 @@ def settings_notes(own: dict[str, tuple[str, float]], config: Any, whose: str) -
 
 
 class NotExposed(NotReplayable):
-    """A site the runtime computes but does not expose (fused into another operation): its
-    check cannot be run, and is not judged."""
+    """A site the runtime computes but does not expose (fused into another operation), or
+    a run it did not make (:class:`NotRun`): its check cannot be run, and is not judged."""
 
-    def __init__(self, what: str, runtime: str) -> None:
-        super(NotReplayable, self).__init__(f"{runtime} exposes no value for {what}")
+    def __init__(self, what: str, runtime: str, *, run: "NotRun | None" = None) -> None:
+        super(NotReplayable, self).__init__(f"{runtime} exposes no value for {what}" if run is None else run.why)
         self.type_name = what
-        self.advice = "the runtime fuses it into another operation; the checks around it still judge it"
+        self.advice = (
+            "the runtime fuses it into another operation; the checks around it still judge it" if run is None else run.advice
+        )
+
+
+class NotRun(MemoryStore):
+    """A replaced run the candidate did not make (a dump written without it): every check it
+    would answer is not judged, its note saying ``why`` and what to do (``advice``)."""
+
+    def __init__(self, why: str, advice: str) -> None:
+        super().__init__()
+        self.why, self.advice = why, advice
 
 
 class TeacherForced(SideDefaults):
@@ -320,6 +331,8 @@ class TeacherForced(SideDefaults):
 
     def _site(self, which: str, key: SiteKey, what: str) -> Site:
         store = self._runs[which]
+        if isinstance(store, NotRun):
+            raise NotExposed(what, self._runtime_name, run=store)
         sites = store.outside_sites() if key.block is None else store.block_sites(key.block)
         found = next((s for s in sites if s.key == key), None)
         if found is None:
@@ -345,19 +358,15 @@ class TeacherForced(SideDefaults):
             if out is None:
                 raise NotExposed(call.label, self._runtime_name)
             return out, {}
-        store = self._runs[EVERY]
         assert call.block is not None
-        sites = {s.key: s for s in store.block_sites(call.block)}
-        block = sites.get(call.key)
-        if block is None or block.primary_output() is None:
+        out = self._site(EVERY, call.key, call.label).primary_output()
+        if out is None:
             raise NotExposed(call.label, self._runtime_name)
         reached = {}
-        for site in sites.values():
+        for site in self._runs[EVERY].block_sites(call.block):
             given = site.hidden_input()
             if site.subpath is not None and given is not None:
                 reached[(site.subpath, site.ordinal)] = given
-        out = block.primary_output()
-        assert out is not None
         return out, reached
 
     def child_calls(self, path: str, call: Site, hidden: Hidden | None = None) -> list[Site]:
@@ -368,6 +377,6 @@ class TeacherForced(SideDefaults):
 
 
 __all__ = [
-    "BLOCKS", "EVERY", "NotExposed", "Replacing", "RuntimeSide", "TeacherForced", "Tap", "Unchanged", "Values",
-    "config_value", "mirrored", "record_taps", "reference_sites", "settings_notes", "sites",
+    "BLOCKS", "EVERY", "NotExposed", "NotRun", "Replacing", "RuntimeSide", "TeacherForced", "Tap", "Unchanged",
+    "Values", "config_value", "mirrored", "record_taps", "reference_sites", "settings_notes", "sites",
 ]
