@@ -432,35 +432,9 @@ def _emit(
             click.echo("no divergence" if first is None else f"first divergence: {first.headline()}")
     else:
         render(report, _console(), advice=_advice(json_path=json_path))
-        if report.backward is not None:
-            _backward(report)
     if rank is not None and report.ranking is not None:
         render_ranking(report, _console(), top=rank)
     sys.exit(EXIT_DIVERGED if report.diverged else 0)
-
-
-def _backward(report: Any) -> None:
-    """After the forward's report, the backward's (``--backward``): its heatmap (blocks as
-    the forward's, read head to embedding), its divergences, both verdicts in one line."""
-    from .render import render_heatmap
-    from .report import named_headline
-    from .view import drill_down
-
-    console = _console()
-    console.print("Backward (gradients, judged from the head to the embedding):", highlight=False)
-    for note in report.backward.notes[1:]:  # the first is the forward report's already
-        console.print(f"note: {note}", highlight=False, markup=False)
-    render_heatmap(report.backward, console)
-    found = report.backward.divergences
-    if len(found) > 1:
-        console.print(f"{len(found)} divergent gradients:", highlight=False)
-        for divergence in found:
-            console.print(f"  - {named_headline(divergence)}", highlight=False, markup=False)
-    console.print(report.verdict(), highlight=False, markup=False)
-    first = report.backward.first_divergence
-    drill = None if first is None else drill_down(first)
-    if drill is not None:
-        console.print(f"  {drill}", highlight=False, markup=False)
 
 
 @cli.command("report")
@@ -490,10 +464,6 @@ def report_command(report_path: str, plot_path: str | None, html_path: str | Non
         from .render import ADVICE_SAVED, render
 
         render(data, _console(), advice=ADVICE_SAVED.format(path=report_path))
-        if isinstance(data, dict) and data.get("backward") is not None:  # a --backward report
-            from .report import Report
-
-            _backward(Report.from_dict(data))
         return
     if plot_path:
         from .plot import require_matplotlib

@@ -35,7 +35,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .hookmap import AUTO_DETECTED, Layout
-from .report import Report
+from .report import Report, named_headline
 from .view import (
     drill_down,
     LEGEND,
@@ -259,6 +259,27 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
             _say(console, "  - ", d.headline(), indent=4)
     if first is not None and advice is not None:
         _say(console, "", advice, style="dim", indent=6)
+    if view.report.backward is not None:
+        _backward(view.report, console)
+
+
+def _backward(report: Report, console: Console) -> None:
+    """After the forward's report, the backward's (``--backward``): its heatmap (blocks as
+    the forward's, read head to embedding), its divergences, both verdicts in one line."""
+    backward = report.backward
+    assert backward is not None
+    console.print("Backward (gradients, judged from the head to the embedding):", highlight=False)
+    for note in backward.notes[1:]:  # the first is the forward report's already
+        console.print(f"note: {note}", highlight=False, markup=False)
+    render_heatmap(backward, console)
+    if len(backward.divergences) > 1:
+        console.print(f"{len(backward.divergences)} divergent gradients:", highlight=False)
+        for divergence in backward.divergences:
+            console.print(f"  - {named_headline(divergence)}", highlight=False, markup=False)
+    console.print(report.verdict(), highlight=False, markup=False)
+    drill = None if backward.first_divergence is None else drill_down(backward.first_divergence)
+    if drill is not None:
+        console.print(f"  {drill}", highlight=False, markup=False)
 
 
 # Left-aligned columns of the tables; the rest hold numbers, right-aligned.

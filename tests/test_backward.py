@@ -157,6 +157,21 @@ def test_the_backward_report_round_trips_and_reports_without_one_still_read(tmp_
     assert 'id="backward"' in page and page.count('<table class="heat"') == 2 and 'id="backward-heatmap"' in page
     assert "First divergent gradient</strong>: block 1 residual (input gradient)" in page
     assert 'id="backward"' not in document(plain, image=False)
+    # The terminal says both too, from the saved JSON as after the run (`blockdiff report`).
+    import io
+
+    from rich.console import Console
+
+    from blockdiff.render import render
+
+    out = io.StringIO()
+    render(data, Console(file=out, width=120, no_color=True))
+    said = out.getvalue()
+    assert said.index("No divergence") < said.index("Backward (gradients, judged from the head to the embedding):")
+    assert "forward: no divergence; backward: block 1 residual (input gradient)" in said
+    out = io.StringIO()
+    render(plain, Console(file=out, width=120, no_color=True))
+    assert "Backward" not in out.getvalue()
 
 
 def test_the_assertion_judges_the_backward():

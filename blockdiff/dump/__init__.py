@@ -23,7 +23,7 @@ The package, by role: :mod:`.format` (format name, schema version, dtype encodin
 checksums, attributes, the metadata digest, reading the index), :mod:`.packing` (writing
 a schema-4 file without torch: datasets, index, attributes, rename), :mod:`.writer`
 (:class:`DumpWriter`: torch sites on a thread of its own, through :mod:`.packing`),
-:mod:`.reader` (:class:`DumpReader`), :mod:`.probe` (:func:`probe_file`, the hostile-file
+:mod:`.reader` (:class:`DumpReader`), :mod:`.foreign` (the reference as a foreign writer reads it), :mod:`.probe` (:func:`probe_file`, the hostile-file
 probe the reader runs first) and :mod:`.memory` (handing freed memory back between
 blocks). :mod:`blockdiff.dumpfile`, the writer for other runtimes, writes through
 :mod:`.packing` too.
