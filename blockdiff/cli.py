@@ -27,7 +27,7 @@ from .errors import BlockdiffError, ModelRunError, ModelSpecError, OptionsError
 FLAGS = {
     "backward": "--backward", "baseline_dtype": "--baseline-dtype", "caches": "--ref-cache/--cand-cache",
     "capacity_factors": "--capacity-factor", "decode": "--decode", "fast_path": "--fast", "floors": "--floors",
-    "loss": "--loss", "rank": "--rank", "save_dumps": "--save-dumps", "stream": "--stream", "tolerance": "--tolerance",
+    "loss": "--loss", "max_memory": "--max-memory", "rank": "--rank", "save_dumps": "--save-dumps", "stream": "--stream", "tolerance": "--tolerance",
 }
 
 EXIT_DIVERGED = 1
@@ -109,6 +109,18 @@ def _console() -> Console:
     if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit():
         return Console()
     return Console(width=120)
+
+
+def _size_option(value: str | None, param: click.Parameter) -> int | None:
+    """``--max-memory``'s bytes."""
+    if value is None:
+        return None
+    from .diskweights import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
 
 
 def _parse_tolerances(values: tuple[str, ...]) -> dict[str, float]:
@@ -243,6 +255,8 @@ def _decode_option(help_text: str) -> Callable:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report (blockdiff.report/2) here.")
 @click.option("--save-dumps", type=click.Path(file_okay=False), help="Keep both sides' captures as DIR/reference.h5 and DIR/candidate.h5 (implies --stream).")
 @click.option("--stream", is_flag=True, help="Capture to temporary dumps and localize block by block: memory holds one block's activations.")
+@click.option("--max-memory", "max_memory", metavar="SIZE", callback=lambda ctx, param, value: _size_option(value, param),
+              help="Read each model's weights from its checkpoint a block at a time, holding at most SIZE of them (e.g. 2GiB; implies --stream).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG: local-error heatmap, drift, MoE expert loads (needs matplotlib).")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write one self-contained HTML report (the JSON embedded).")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the first-divergence line.")
@@ -276,6 +290,7 @@ def diff_command(
     json_path: str | None,
     save_dumps: str | None,
     stream: bool,
+    max_memory: int | None,
     plot_path: str | None,
     html_path: str | None,
     quiet: bool,
@@ -324,6 +339,7 @@ def diff_command(
       blockdiff diff samples/tinylm.py:build \\
           samples/backward_bugs.py:fused_norm_weight_grad --backward
       blockdiff diff samples/tinylm.py:build tinylm.onnx --batch 2 --seq 16
+      blockdiff diff ref_dir cand_dir --max-memory 1GiB --cand-dtype bfloat16
       blockdiff diff hf_model_dir model-q8_0.gguf --rank 10
       blockdiff diff samples/runtimes.py:reference \\
           samples/runtimes.py:mlx_attention_scale
@@ -374,6 +390,7 @@ def diff_command(
             caches=(ref_cache, cand_cache or ref_cache),
             backward=backward,
             loss=loss,
+            max_memory=max_memory,
         ),
     )
     _stop_progress()
@@ -566,6 +583,8 @@ def _numbers(text: str | None, option: str) -> list[int] | None:
 )
 @click.option("--cache", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
               help="With --decode: the Hugging Face cache to decode with.")
+@click.option("--max-memory", "max_memory", metavar="SIZE", callback=lambda ctx, param, value: _size_option(value, param),
+              help="Read the model's weights from its checkpoint a block at a time, holding at most SIZE of them (e.g. 2GiB).")
 @debug_option
 def capture_command(
     model: str,
@@ -583,6 +602,7 @@ def capture_command(
     floors: str | None,
     decode: int | None,
     cache: str,
+    max_memory: int | None,
 ) -> None:
     """Run MODEL once and stream every site into an HDF5 dump.
 
@@ -600,6 +620,7 @@ def capture_command(
       blockdiff diff golden.h5 samples/bugs.py:gelu_for_silu --cand-dtype bfloat16
       blockdiff capture samples/hf_llama.py:build --out dec.h5 --decode 8 --seq 8
       blockdiff diff dec.h5 samples/decode_bugs.py:cache_one_slot_early
+      blockdiff capture hf_model_dir --out ref.h5 --max-memory 2GiB
     """
     from . import engine, hookmap
     from .dtypes import parse_dtype
@@ -610,7 +631,7 @@ def capture_command(
     made = engine.capture(
         model, _inputs_spec(tokens, inputs_path, batch, seq, seed), out,
         hooks=hookmap.load(hooks_path) if hooks_path else None, compress=compress, label=model, floors=precisions,
-        durable=durable, device=r_device, dtype=r_dtype, decode=decode or 0, cache=cache,
+        durable=durable, device=r_device, dtype=r_dtype, decode=decode or 0, cache=cache, max_memory=max_memory,
     )
     if made is not None:
         click.echo(f"inputs: {made}", err=True)
@@ -703,6 +724,7 @@ def arch_command(model: str, hooks_path: str | None, as_json: bool) -> None:
 def _progress_bar():
     """A transient rich progress bar on stderr for captures and localization, when stderr
     is a terminal; nothing otherwise (pipes, CI, tests)."""
+    from .diskweights import READ_PROGRESS
     from .engine import PROGRESS
 
     from . import distributed
@@ -720,8 +742,12 @@ def _progress_bar():
 
     def report(what: str, done: int, total: int) -> None:
         if what not in tasks:
-            tasks[what] = bar.add_task(what, total=total)
+            tasks[what] = bar.add_task(what, total=total or None)
         bar.update(tasks[what], completed=done)
+        if what == READ_PROGRESS:  # MB, no total: said with their rate
+            speed = bar._tasks[tasks[what]].speed
+            rate = f", {speed:.0f} MB/s" if speed else ""
+            bar.update(tasks[what], description=f"{what}: {done / 1e3:.2f} GB{rate}")
 
     token = PROGRESS.set(report)
     _state["bar"] = bar

@@ -17,7 +17,8 @@ import itertools
 import torch
 from torch import nn
 
-from .report import Report
+from .diskweights import held
+from .report import Divergence, Report
 from .sides import Side
 
 
@@ -209,8 +210,7 @@ def diagnose(ref: Side, cand: Side, report: Report) -> None:
     notes."""
     if not (ref.live and cand.live) or ref.lockstep or cand.lockstep:
         return  # a sharded candidate's weights are shards: each rank would say something else
-    ref_model = _module(ref, "")
-    everything = {n: p for n, p in weights(ref_model).items() if _plain(p)} if ref_model is not None else {}
+    ref_model, cand_model = _module(ref, ""), _module(cand, "")
     for divergence in report.divergences:
         if divergence.stage == "block" and divergence.subpath not in ("attention", "ffn", "norm"):
             continue  # the glue, the block as a whole, drift: no one module's weights
@@ -218,30 +218,38 @@ def diagnose(ref: Side, cand: Side, report: Report) -> None:
         ref_module, cand_module = (_module(ref, ref_path) if ref_path else None), _module(cand, divergence.module)
         if ref_module is None or cand_module is None:
             continue
-        found = []
-        ref_params, cand_params = weights(ref_module), weights(cand_module)
-        for mine, theirs in paired_parameters(ref_module, cand_module):
-            got, expected = cand_params[mine], ref_params[theirs]
-            if not (_plain(got) and _plain(expected)):
-                continue
-            if got.dtype != expected.dtype and _same(got, expected.to(got.dtype)):
-                continue  # the reference's, in the candidate's dtype
-            if _same(got, expected):
-                continue
-            why = explain(got, expected, {n: p for n, p in everything.items() if n != f"{ref_path}.{theirs}"})
-            found.append(f"{divergence.module}.{mine} differs from the reference's {ref_path}.{theirs}" + (f": it {why}" if why else ""))
-        paired = {mine for mine, _ in paired_parameters(ref_module, cand_module)}
-        for mine, got in cand_params.items():
-            if mine not in paired and _plain(got):
-                fused = fused_parts(got, {n: p for n, p in ref_params.items() if _plain(p)}, others=everything)
-                if fused is not None:
-                    found.append(f"{divergence.module}.{mine} {fused}")
-        if not found:
+        with held(ref_model, ref_path or ""), held(cand_model, divergence.module):
+            # Weights read from disk: those of the unit (block) holding the module, on each side.
+            _diagnose(divergence, ref_path or "", ref_module, cand_module, ref_model, report)
+
+
+def _diagnose(divergence: Divergence, ref_path: str, ref_module: nn.Module, cand_module: nn.Module, ref_model: nn.Module | None, report: Report) -> None:
+    """:func:`diagnose`'s work for one divergence, the weights of both modules in memory."""
+    everything = {n: p for n, p in weights(ref_model).items() if _plain(p)} if ref_model is not None else {}
+    found = []
+    ref_params, cand_params = weights(ref_module), weights(cand_module)
+    for mine, theirs in paired_parameters(ref_module, cand_module):
+        got, expected = cand_params[mine], ref_params[theirs]
+        if not (_plain(got) and _plain(expected)):
             continue
-        details = dict(divergence.check.details or {})
-        details["conversion"] = found
-        divergence.check.details = details
-        report.notes.append(f"{divergence.where}: its weights — " + "; ".join(found))
+        if got.dtype != expected.dtype and _same(got, expected.to(got.dtype)):
+            continue  # the reference's, in the candidate's dtype
+        if _same(got, expected):
+            continue
+        why = explain(got, expected, {n: p for n, p in everything.items() if n != f"{ref_path}.{theirs}"})
+        found.append(f"{divergence.module}.{mine} differs from the reference's {ref_path}.{theirs}" + (f": it {why}" if why else ""))
+    paired = {mine for mine, _ in paired_parameters(ref_module, cand_module)}
+    for mine, got in cand_params.items():
+        if mine not in paired and _plain(got):
+            fused = fused_parts(got, {n: p for n, p in ref_params.items() if _plain(p)}, others=everything)
+            if fused is not None:
+                found.append(f"{divergence.module}.{mine} {fused}")
+    if not found:
+        return
+    details = dict(divergence.check.details or {})
+    details["conversion"] = found
+    divergence.check.details = details
+    report.notes.append(f"{divergence.where}: its weights — " + "; ".join(found))
 
 
 def reference_path(ref: Side, cand: Side, stage: str, block: int | None, subpath: str | None, module: str) -> str | None:

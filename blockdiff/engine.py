@@ -30,10 +30,10 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from . import distributed, modes
+from . import diskweights, distributed, modes
 from .dtypes import dtype_name, precision_label
 from .dump import DumpWriter
-from .errors import InputError, run_model_code
+from .errors import InputError, OptionsError, run_model_code
 from .hookmap import HookMap
 from .inputs import Inputs, InputsFile, RandomTokens, check_inputs
 from .modes import decode as decode_mode
@@ -88,17 +88,40 @@ def run(
         options = modes.alone(options)  # what "the model against itself" means for the execution
     candidate = _candidate_spec(reference, candidate)
     modes.refuse(options, (kind_of(reference), kind_of(candidate)))
+    from_disk = options.max_memory is not None
+    if not from_disk and (why := diskweights.too_large(reference, candidate)) is not None:
+        raise OptionsError(why)
     with distributed.lockstep(), ExitStack() as opened:
         ref = open_side(
             "reference", reference, opened=opened, hooks=options.reference_hooks, label=options.labels[0],
-            device=options.devices[0], dtype=options.dtypes[0],
+            device=options.devices[0], dtype=options.dtypes[0], from_disk=from_disk,
         )
         cand = open_side(
             "candidate", candidate, opened=opened, hooks=options.candidate_hooks, label=options.labels[1],
             device=options.devices[1] or options.devices[0], dtype=options.dtypes[1] or options.dtypes[0], like=ref,
+            from_disk=from_disk,
         )
         check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
-        return modes.chosen(options, ref, cand).run(ref, cand, inputs, options)
+        models = getattr(ref, "model", None), getattr(cand, "model", None)
+        if options.max_memory is not None and (why := diskweights.refusal(options.max_memory, *models)) is not None:
+            raise OptionsError(why)
+        _show_reads(models)
+        report = modes.chosen(options, ref, cand).run(ref, cand, inputs, options)
+        if options.max_memory is not None:
+            report.notes.append(diskweights.note(options.max_memory, *models))
+        return report
+
+
+def _show_reads(models: Sequence[Any]) -> None:
+    """Weights read from disk counted on the progress bar (``PROGRESS``), with their rate."""
+    progress = PROGRESS.get()
+    readers = [w for w in map(diskweights.disk_weights, models) if w is not None]
+    if progress is None:
+        return
+    for weights in readers:
+        weights.on_read = lambda unit, ours=readers: progress(
+            diskweights.READ_PROGRESS, sum(w.checkpoint.bytes_read for w in ours) // 10**6, 0
+        )
 
 
 def _candidate_spec(reference: SideSpec, candidate: SideSpec | None) -> SideSpec:
@@ -185,6 +208,7 @@ def capture(
     dtype: torch.dtype | None = None,
     decode: int = 0,
     cache: str = "dynamic",
+    max_memory: int | None = None,
 ) -> str | None:
     """Run ``model`` once on ``inputs`` and stream every site into the dump ``out``.
 
@@ -207,14 +231,25 @@ def capture(
             model's own step adapter), every step's sites, tokens and cache contents
             written (schema 5), for ``blockdiff diff OUT CANDIDATE`` to replay a candidate's
             decode against (docs/decode.md). Held in memory until written.
+        max_memory: bytes the model's weights may take: built without them and read
+            from its checkpoint a block at a time (as :attr:`Options.max_memory`), so
+            that a reference no machine holds whole is captured from disk.
 
     Returns:
         A note on what blockdiff made up of the inputs (random token ids), or ``None``.
     """
+    if max_memory is not None and decode:
+        raise OptionsError("{decode} runs every block at every step, a cache beside it: not with {max_memory}")
     with ExitStack() as opened:
-        side = open_side("captured", model, opened=opened, hooks=hooks, label=label, device=device, dtype=dtype)
+        side = open_side(
+            "captured", model, opened=opened, hooks=hooks, label=label, device=device, dtype=dtype,
+            from_disk=max_memory is not None,
+        )
         if not side.live:
             raise InputError(f"{model}: a dump cannot be captured again; capture a model")
+        if max_memory is not None and (why := diskweights.refusal(max_memory, side.model, None)) is not None:
+            raise OptionsError(why)
+        _show_reads([side.model])
         concrete, made = side.inputs(inputs)
         check_inputs(concrete)
         if decode:

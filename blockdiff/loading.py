@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import importlib
 import importlib.util
 import sys
@@ -26,6 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .diskweights import ATTRIBUTE, attach, empty_model
 from .dtypes import dtype_name
 from .errors import InputError, ModelSpecError
 from .inputs import model_device, model_dtype
@@ -205,6 +207,24 @@ def _from_pretrained(path: Path, spec: str) -> nn.Module:
             hf_logging.enable_progress_bar()
 
 
+def _without_weights(path: Path, spec: str) -> nn.Module:
+    """The Hugging Face model in the directory ``path`` built from its config with its
+    parameters on the meta device (:func:`~blockdiff.diskweights.empty_model`), naming
+    its checkpoint (``blockdiff_checkpoint``): its weights are read when it runs."""
+    transformers = _transformers(spec)
+    config = _config(transformers, path, spec)
+    cls = _model_class(transformers, config)
+    try:
+        with empty_model():
+            model = cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls(config)
+    except Exception as exc:
+        raise ModelSpecError(
+            f"model spec {spec!r}: cannot build a model from {path / 'config.json'} ({_first_line(exc)})", spec=spec
+        ) from exc
+    setattr(model, ATTRIBUTE, str(path))
+    return model
+
+
 def _from_config(path: Path, spec: str) -> nn.Module:
     transformers = _transformers(spec)
     config = _config(transformers, path, spec)
@@ -264,7 +284,9 @@ def _import_file(path: Path, spec: str):
         ) from exc
 
 
-def build_model(spec: str, *, device: torch.device, dtype: torch.dtype, like: object = None) -> object:
+def build_model(
+    spec: str, *, device: torch.device, dtype: torch.dtype, like: object = None, from_disk: bool = False
+) -> object:
     """Call the spec's factory and place what it returns on ``device`` in ``dtype``, eval
     mode, when it is an ``nn.Module``; anything else comes back as it is (an ONNX Runtime
     model is run as it was exported; :func:`~blockdiff.sides.factory.open_side` says what
@@ -277,11 +299,16 @@ def build_model(spec: str, *, device: torch.device, dtype: torch.dtype, like: ob
             again gives, without the drawing (seconds for a model of 100M parameters).
             Any other spec is built again: a factory is the user's code, and a saved
             model's loader may draw what its files lack.
+        from_disk: a Hugging Face directory is built without weights, and a model
+            naming its checkpoint (``blockdiff_checkpoint``) reads its weights from it a
+            block at a time (:mod:`blockdiff.diskweights`).
 
     Raises:
         ModelSpecError: the factory raised.
     """
     factory = load_factory(spec)
+    if from_disk and Path(spec).is_dir():
+        factory = functools.partial(_without_weights, Path(spec), spec)
     if _built_from_config(like, spec):
         model = copy.deepcopy(like)
     else:
@@ -295,7 +322,18 @@ def build_model(spec: str, *, device: torch.device, dtype: torch.dtype, like: ob
             ) from exc
     if not isinstance(model, nn.Module):
         return model
+    if from_disk and reads_from_disk(model):
+        return attach(model, getattr(model, ATTRIBUTE), dtype=dtype, device=device).eval()
     return place(model, device=device, dtype=dtype).eval()
+
+
+def reads_from_disk(model: nn.Module) -> bool:
+    """Whether ``model`` is built without weights (its parameters on the meta device) and
+    names the checkpoint they are in (``model.blockdiff_checkpoint``: a Hugging Face
+    directory of safetensors files)."""
+    return getattr(model, ATTRIBUTE, None) is not None and all(
+        p.device.type == "meta" for p in model.parameters()
+    )
 
 
 def _built_from_config(model: object, spec: str) -> bool:

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 GOLDEN_DIR = "__blockdiff__"
 MARKER = "blockdiff"
 # Keyword arguments of the fixture methods that go to the engine rather than the tolerance.
-ENGINE_OPTIONS = ("reference_hooks", "candidate_hooks", "fast_path", "capacity_factors", "labels")
+ENGINE_OPTIONS = ("reference_hooks", "candidate_hooks", "fast_path", "capacity_factors", "labels", "max_memory")
 _MAX_NAME = 120
 _STATE = pytest.StashKey["SessionState"]()  # on config: this session's options and writes
 _ARTIFACTS = pytest.StashKey[int]()  # on a test item: how many dump-dir folders it has used
@@ -95,6 +95,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="DIR",
         help="Keep the dumps and JSON reports of diffs that find a divergence, and of golden mismatches, in DIR.",
+    )
+    group.addoption(
+        "--blockdiff-max-memory",
+        dest="blockdiff_max_memory",
+        default=None,
+        metavar="SIZE",
+        help="Diffs of blockdiff fixtures read each model's weights from its checkpoint a block at a time, "
+        "holding at most SIZE of them (e.g. 2GiB; docs/larger-than-memory.md).",
     )
 
 
@@ -148,11 +156,20 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(
                 f"--blockdiff-dump-dir {dump_dir} is a file; expected a directory, or a path to create one at"
             )
+    max_memory = config.getoption("blockdiff_max_memory", None)
+    if max_memory is not None:
+        from .diskweights import parse_size
+
+        try:
+            max_memory = parse_size(max_memory)
+        except ValueError as exc:
+            raise pytest.UsageError(f"--blockdiff-max-memory: {exc}") from None
     config.stash[_STATE] = SessionState(
         update=bool(config.getoption("blockdiff_update", False)),
         options=_options(config),
         dump_dir=dump_dir,
         invocation_dir=config.invocation_params.dir,
+        max_memory=max_memory,
     )
 
 
@@ -192,6 +209,7 @@ class SessionState:
     options: dict[str, Any]
     dump_dir: Path | None
     invocation_dir: Path
+    max_memory: int | None = None  # --blockdiff-max-memory, in bytes
     queued: dict[Path, Path] = field(default_factory=dict)  # golden → staged capture
     written: list[Path] = field(default_factory=list)
     unchanged: list[Path] = field(default_factory=list)
@@ -347,7 +365,8 @@ class BlockdiffFixture:
             reference, candidate, inputs: as for :func:`blockdiff.diff`.
             **kw: tolerances (``policy=``, ``ffn=0.05``, ...) and the engine options
                 ``reference_hooks``, ``candidate_hooks``, ``fast_path``,
-                ``capacity_factors``, ``labels``.
+                ``capacity_factors``, ``labels``, ``max_memory`` (default:
+                ``--blockdiff-max-memory``).
 
         Returns:
             The report; with ``--blockdiff-dump-dir``, a report with a divergence is kept
@@ -362,6 +381,8 @@ class BlockdiffFixture:
         from .engine import Options, run
 
         engine, tolerances = _split(kw)
+        if self._state.max_memory is not None:
+            engine.setdefault("max_memory", self._state.max_memory)
         tolerance = assertion.tolerance_from(_settings(self._item, self._state, tolerances))
         folder = _artifact_dir(self._item, self._state)
         try:

@@ -185,6 +185,7 @@ def test_missing_mlx_names_the_extra(mlx, monkeypatch):
         (["--decode", "2"], "the candidate cannot run --decode"),
         (["--backward"], "the candidate cannot run a backward"),
         (["--stream"], "--stream and --save-dumps do not take a candidate run in another runtime"),
+        (["--max-memory", "1GiB"], "--max-memory does not take a candidate run in another runtime"),
     ],
 )
 def test_executions_a_gguf_cannot_run_are_refused_in_one_line(clean_gguf, flags, refusal):

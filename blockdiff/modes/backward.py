@@ -38,6 +38,11 @@ class Backward:
             return OptionsError("{backward} runs both models live, one forward pass: not with a dump, nor with {decode}")
         if options.save_dumps is not None or options.stream or options.rank:
             return OptionsError("{backward} runs in memory: not with {stream}, {save_dumps} or {rank}")
+        if options.max_memory is not None:
+            return OptionsError(
+                "{backward} keeps every block's weights and activations for the gradients: not with {max_memory}; "
+                "diff the backward with the models in memory"
+            )
         return None
 
     def alone(self, options: Options) -> Options:

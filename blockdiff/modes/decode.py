@@ -50,6 +50,11 @@ class Decode:
             )
         if options.save_dumps is not None or options.stream or options.rank:
             return OptionsError("{decode} runs in memory, on one process: not with {stream}, {save_dumps}, {rank} or torchrun")
+        if options.max_memory is not None:
+            return OptionsError(
+                "{decode} runs every block at every step, a cache beside it: not with {max_memory}, which reads a block's "
+                "weights once per pass; decode with the models in memory"
+            )
         return None
 
     def alone(self, options: Options) -> Options:

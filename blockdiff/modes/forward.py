@@ -80,10 +80,11 @@ def live(
     ``side.record`` when not given."""
     takes(cand, check_inputs(inputs))
     refused = next((side.not_streamed for side in (ref, cand) if side.not_streamed), None)
-    if refused and (options.save_dumps is not None or options.stream):
+    on_disk = options.save_dumps is not None or options.stream or options.max_memory is not None
+    if refused and on_disk:
         raise OptionsError(
-            "{stream} and {save_dumps} do not take {refused}; "
-            "diff in memory, or capture the reference alone (blockdiff capture) and replay against it",
+            ("{max_memory} does not take" if options.max_memory is not None else "{stream} and {save_dumps} do not take")
+            + " {refused}; diff in memory, or capture the reference alone (blockdiff capture) and replay against it",
             refused=refused,
         )
     lockstep = ref.lockstep or cand.lockstep
@@ -91,7 +92,7 @@ def live(
     with ExitStack() as stack:
         stack.enter_context(ref.running())
         stack.enter_context(cand.running())
-        if options.save_dumps is None and not options.stream:
+        if not on_disk:
             return in_memory([ref, cand], inputs, judge, lockstep=lockstep, record=record)
         if options.save_dumps is not None and distributed.rank() == 0:
             folder = Path(options.save_dumps)

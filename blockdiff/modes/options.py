@@ -63,6 +63,11 @@ class Options:
         loss: the loss of ``backward``: ``"module:function"`` or ``"path/file.py:function"``
             or a callable ``loss(output, inputs)``; ``None``: next-token cross-entropy on
             the input ids.
+        max_memory: bytes the weights of the two sides may take at once: each side built
+            without weights and read from its checkpoint a block at a time
+            (:mod:`blockdiff.diskweights`; a Hugging Face directory, or a factory's meta
+            model naming its checkpoint), the captures streamed (``stream``). ``None``:
+            both models whole in memory.
     """
 
     tolerance: Tolerance | None = None
@@ -82,6 +87,7 @@ class Options:
     uncached_reference: bool = False
     backward: bool = False
     loss: str | Callable[[Any, Any], Any] | None = None
+    max_memory: int | None = None
 
     @classmethod
     def of(cls, options: "Options | None" = None, **fields_: Any) -> "Options":
@@ -114,6 +120,10 @@ def common_refusal(options: Options, kinds: Kinds) -> OptionsError | None:
         return OptionsError("a candidate dump needs a reference dump: blockdiff diff REF.h5 CAND.h5")
     if options.save_dumps is not None and "dump" in kinds:
         return OptionsError("{save_dumps} keeps the captures of a live diff; here a side is already a dump")
+    if options.max_memory is not None and options.max_memory <= 0:
+        return OptionsError("{max_memory} must be a number of bytes, found {found}", found=options.max_memory)
+    if options.max_memory is not None and kinds[0] != "model" and kinds[1] != "model":
+        return OptionsError("{max_memory} reads models' weights from disk; here neither side is a model")
     if options.baseline_dtype is not None and not options.rank:
         return OptionsError("{baseline_dtype} sets the baseline of {rank}; give {rank} too")
     return None

@@ -40,10 +40,11 @@ class TeacherForced:
         return options
 
     def run(self, ref: Side, cand: Side, inputs: Any, options: Options) -> Report:
-        if options.stream or options.save_dumps is not None:
+        if options.stream or options.save_dumps is not None or options.max_memory is not None:
             raise OptionsError(
-                "{stream} and {save_dumps} do not take a candidate run in another runtime "
-                "({runtime}): it is judged in memory", runtime=cand.meta.get("runtime", "not PyTorch"),
+                ("{max_memory} does not take" if options.max_memory is not None else "{stream} and {save_dumps} do not take")
+                + " a candidate run in another runtime ({runtime}): it is judged in memory",
+                runtime=cand.meta.get("runtime", "not PyTorch"),
             )
         unrecorded = [side for side in (ref, cand) if side.store is None]  # a dump's record is its own
         if not ref.live:

@@ -27,7 +27,9 @@ from .. import distributed
 from ..autodetect import resolve
 from ..errors import InputError, run_model_code
 from ..hookmap import HookMap, layout_from_dict
-from ..loading import ACCEPTED, WEIGHT_SUFFIXES, build_model
+from ..diskweights import ATTRIBUTE, attach, disk_weights
+from ..inputs import model_dtype
+from ..loading import ACCEPTED, WEIGHT_SUFFIXES, build_model, reads_from_disk
 from . import Side, dump, gguf, mlx, onnx
 from .live import LiveSide
 from .sharded import PipelineSide, ShardedSide
@@ -54,6 +56,7 @@ def open_side(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     like: Side | None = None,
+    from_disk: bool = False,
 ) -> Side:
     """The side ``spec`` stands for, in ``role``.
 
@@ -64,6 +67,9 @@ def open_side(
         device, dtype: where a model spec string is built (default: CPU, float32).
         like: the reference, for a candidate whose anatomy is the reference's (an ONNX
             graph's sites are found under the reference's layout).
+        from_disk: a model built without weights reads them from its checkpoint a block
+            at a time (a Hugging Face directory; a model naming its checkpoint:
+            :func:`~blockdiff.loading.reads_from_disk`), in ``dtype`` on ``device``.
 
     Raises:
         InputError: a spec of no kind, an ONNX graph as the reference, a factory that
@@ -76,11 +82,14 @@ def open_side(
                 f"{text}: not a dump (.h5) or an ONNX graph (.onnx); as a model spec, expected {ACCEPTED}"
             )
         built = build_model(
-            text, device=torch.device(device or "cpu"), dtype=dtype or torch.float32, like=getattr(like, "model", None)
+            text, device=torch.device(device or "cpu"), dtype=dtype or torch.float32, like=getattr(like, "model", None),
+            from_disk=from_disk,
         )
         spec = _built(f"model spec {text!r}: the factory", built)
     elif callable(spec) and not isinstance(spec, nn.Module) and kind_of(spec) == "model":
         spec = _built(f"the {role} factory", run_model_code(role, spec))
+    if from_disk and isinstance(spec, nn.Module) and reads_from_disk(spec) and disk_weights(spec) is None:
+        spec = attach(spec, getattr(spec, ATTRIBUTE), dtype=dtype or model_dtype(spec), device=torch.device(device or "cpu"))
     for kind in KINDS:
         if kind.claims(spec):
             return kind.opened(role, spec, opened=opened, like=like, label=label)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..diskweights import disk_weights
 from .. import distributed
 from ..capture import ChildCalls, Hold, Recording, record_once
 from ..errors import PairingError
@@ -418,7 +419,8 @@ class PrecisionSide(LiveSide):
     def module(self, path: str) -> nn.Module:
         if self._copy is None:
             assert self.cast is not None
-            self._copy = cast_copy(self.model, self.cast, self._device)
+            weights = disk_weights(self.model)
+            self._copy = cast_copy(self.model, self.cast, self._device) if weights is None else weights.copy(self.cast, self._device)
         return self._copy.get_submodule(path)
 
     def runnable(self, path: str, module: nn.Module | None = None) -> Callable:
@@ -458,6 +460,7 @@ class PrecisionSide(LiveSide):
         model = getattr(other, "model", None)
         if not (
             isinstance(model, nn.Module)
+            and disk_weights(model) is None and disk_weights(self.model) is None  # weights not here to compare
             and type(other) is LiveSide
             and other.device == self.device
             and other.layout.to_dict() == self.layout.to_dict()
