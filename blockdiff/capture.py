@@ -377,10 +377,12 @@ def whole_input(args: tuple, kwargs: dict, dim: int, names: tuple[str, ...] | No
     return with_hidden(args, kwargs, {"primary": declared_whole(local, dim)}, names)
 
 
+_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
 def _is_compiling() -> bool:
     """Whether dynamo is tracing (``torch.compiler.is_compiling``, torch >= 2.3)."""
-    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(check()) if check is not None else False
+    return bool(_COMPILING()) if _COMPILING is not None else False
 
 
 def _cloned(obj: Any) -> Any:

@@ -78,6 +78,10 @@ class NotReplayable(BlockdiffError):
         self.type_name = type_name
 
 
+# Types a structure holds as themselves (map_structure's fast path; subclasses take the long one).
+_PLAIN = frozenset({bool, int, float, str, Opaque, torch.dtype, torch.device})
+
+
 def _is_cache(obj: Any) -> bool:
     return any(cls.__name__.endswith("Cache") for cls in type(obj).__mro__)
 
@@ -169,9 +173,18 @@ def map_structure(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     Objects that are not plain data become :class:`Opaque` markers, so nothing a model
     passes by reference (a cache, a config) is ever held or replayed.
     """
+    kind = type(obj)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common cases first: a site pays for each test
+        return fn(obj)
+    if obj is None or kind in _PLAIN:
+        return obj
+    if kind is tuple:
+        return tuple([map_structure(v, fn) for v in obj])
+    if kind is dict:
+        return {k: map_structure(v, fn) for k, v in obj.items()}
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if obj is None or isinstance(obj, (bool, int, float, str, Opaque, torch.dtype, torch.device)):
+    if isinstance(obj, (bool, int, float, str, Opaque, torch.dtype, torch.device)):
         return obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(map_structure(v, fn) for v in obj))
