@@ -247,9 +247,10 @@ def capture(
         )
         if not side.live:
             raise InputError(f"{model}: a dump cannot be captured again; capture a model")
-        if max_memory is not None and (why := diskweights.refusal(max_memory, side.model, None)) is not None:
+        model = getattr(side, "model", None)  # a live side's model (what reads from disk)
+        if max_memory is not None and (why := diskweights.refusal(max_memory, model, None)) is not None:
             raise OptionsError(why)
-        _show_reads([side.model])
+        _show_reads([model])
         concrete, made = side.inputs(inputs)
         check_inputs(concrete)
         if decode:
