@@ -26,6 +26,7 @@ from samples import hf_llama, hf_moe  # noqa: E402
 from tests.conftest import run_cli, sample_ids  # noqa: E402
 from tests.test_cli import ROOT  # noqa: E402
 
+pytest_plugins = ["pytester"]  # the plugin's option, in a real pytest session
 IDS = sample_ids()
 BUDGET = 4 << 20  # bytes: a few blocks of the tiny models, far below either model whole
 
