@@ -766,9 +766,25 @@ def _stop_progress() -> None:
         bar.stop()
 
 
+# Loggers of other packages whose import-time warnings are not about the user's models:
+# torchao (imported by transformers when installed) saying which of its optional CUDA
+# kernels it could not load, and torch's pytree on the Enums torchao registers. A CLI
+# user reads blockdiff's output; BLOCKDIFF_DEBUG keeps them.
+QUIETED = ("torchao", "torch.utils._pytree")
+
+
+def _quiet_third_parties() -> None:
+    import logging
+
+    for name in QUIETED:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> Any:
     """Entry point of the console script (and of ``python -m blockdiff``)."""
     _state["debug"] = bool(os.environ.get("BLOCKDIFF_DEBUG"))  # --debug sets it per run
+    if not _state["debug"]:
+        _quiet_third_parties()
     from . import distributed
 
     try:

@@ -90,10 +90,7 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     if target.endswith(".py") or "/" in target or "\\" in target:
         module = _import_file(Path(target), spec)
     else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ModelSpecError(f"model spec {spec!r}: cannot import {target} ({exc})", spec=spec) from None
+        module = _import_module(target, spec)
     factory = getattr(module, attr, None)
     if factory is None:
         names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
@@ -103,6 +100,31 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     if not callable(factory):
         raise ModelSpecError(f"model spec {spec!r}: {attr} is a {type(factory).__name__}, not callable", spec=spec)
     return factory
+
+
+def _import_module(target: str, spec: str):
+    """``target`` imported as ``python -m`` would import it: a package in the working
+    directory is importable even from the console script, whose ``sys.path`` lacks it."""
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        top = target.split(".")[0]
+        here = Path.cwd()
+        held = (here / top).is_dir() or (here / f"{top}.py").is_file()
+        if exc.name == top and str(here) not in sys.path and held:
+            sys.path.insert(0, str(here))
+            try:
+                return importlib.import_module(target)
+            except ImportError as again:
+                exc = again  # type: ignore[assignment]
+        where = "" if held else f" (the working directory holds no {top})"
+        raise ModelSpecError(
+            f"model spec {spec!r}: cannot import {target} ({exc}); a module is found on sys.path{where}: "
+            "run from the directory that holds it, set PYTHONPATH, or name the file (path/to/file.py:factory)",
+            spec=spec,
+        ) from None
+    except ImportError as exc:
+        raise ModelSpecError(f"model spec {spec!r}: cannot import {target} ({exc})", spec=spec) from None
 
 
 # What a model spec may be, as the errors say it.

@@ -361,3 +361,32 @@ def test_every_help_fits_80_columns(command, capsys, monkeypatch):
     code, out, _ = run_cli([*command, "--help"], capsys)
     assert code == 0 and "Usage: blockdiff" in out
     assert [line for line in out.splitlines() if len(line) > 80] == []
+
+
+def test_a_hugging_face_diff_prints_only_blockdiff_on_stderr():
+    """transformers imports torchao when it is installed (the dev install has it): its
+    warnings about CUDA kernels it could not load, and torch's about the Enums it registers,
+    are not the user's business (BLOCKDIFF_DEBUG shows them again)."""
+    done = blockdiff_process("diff", "samples/hf_llama.py:build")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr == "" and "No divergence" in done.stdout
+
+
+_CONSOLE_SCRIPT = "import sys; sys.path = [p for p in sys.path if p not in ('', '.', {root!r})]; " \
+    "from blockdiff.cli import main; main(sys.argv[1:])"
+
+
+@pytest.mark.parametrize("cwd, code", [(ROOT, 1), (ROOT / "docs", 2)])
+def test_dotted_specs_import_from_the_working_directory_as_under_python_m(cwd, code):
+    """The console script's sys.path lacks the working directory (``python -m`` puts it
+    first): a package there is imported all the same, and elsewhere the error says what to do."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CONSOLE_SCRIPT.format(root=str(ROOT)), "diff", "samples.tinylm:build", "samples.bugs:gelu_for_silu", "-q"],
+        cwd=cwd, env={**os.environ, "NO_COLOR": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == code, done.stderr[-2000:]
+    if code == 1:
+        assert done.stdout.startswith("first divergence: block 1 ffn (blocks.1.ffn)")
+    else:
+        assert "cannot import samples.tinylm (No module named 'samples')" in done.stderr
+        assert "(the working directory holds no samples): run from the directory that holds it, set PYTHONPATH" in done.stderr
