@@ -313,6 +313,25 @@ def backward(ctx: Context) -> tuple[bool, str, str]:
     return found == expected, "; ".join(expected), "; ".join(found)
 
 
+@check("9 weights read from disk (--max-memory), cpu-fp32 vs DEVICE-bf16: clean, and a norm weight planted in block 2")
+def disk_weights(ctx: Context) -> tuple[bool, str, str]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from samples import hf_llama
+
+    reference, planted = ctx.scratch / "reference", ctx.scratch / "planted"
+    hf_llama.build().save_pretrained(reference, max_shard_size="200KB")
+    model = hf_llama.build()
+    with torch.no_grad():
+        model.model.layers[2].post_attention_layernorm.weight.mul_(1.5)
+    model.save_pretrained(planted)
+    found = []
+    for candidate in (reference, planted):
+        code, report, said = cli("diff", str(reference), str(candidate), "--cand-device", ctx.device,
+                                 "--cand-dtype", "bfloat16", "--max-memory", "4MiB", "--seq", "16")
+        found.append(blamed(report) if report is not None else said.strip()[-200:])
+    return found == ["nothing blamed", "block 2 norm"], "nothing blamed; block 2 norm", "; ".join(found)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU; skip what needs CUDA itself")
