@@ -61,15 +61,16 @@ def diff(*args: str) -> dict:
     """One ``blockdiff diff`` process: exit code, peak resident memory, wall time, read rate."""
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "r.json"
+        said, errors = Path(scratch) / "out", Path(scratch) / "err"  # files: a pipe could fill before wait4 returns
         started = time.perf_counter()
-        child = subprocess.Popen(
-            [sys.executable, "-m", "blockdiff", "diff", *args, "--seq", "32", "--batch", "1", "--json", str(report), "-q"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "NO_COLOR": "1"},
-        )
-        _, status, usage = os.wait4(child.pid, 0)
+        with open(said, "w") as out_file, open(errors, "w") as err_file:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "blockdiff", "diff", *args, "--seq", "32", "--batch", "1", "--json", str(report), "-q"],
+                cwd=ROOT, stdout=out_file, stderr=err_file, env={**os.environ, "NO_COLOR": "1"},
+            )
+            _, status, usage = os.wait4(child.pid, 0)
         wall = time.perf_counter() - started
-        out, err = child.stdout.read(), child.stderr.read()  # type: ignore[union-attr]
+        out, err = said.read_text(), errors.read_text()
         code = os.waitstatus_to_exitcode(status)
         if code not in (0, 1):
             raise SystemExit(f"blockdiff diff {' '.join(args)} exited {code}:\n{err[-3000:]}")

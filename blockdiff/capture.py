@@ -24,7 +24,7 @@ from .distributed import declared_whole, is_distributed, made_whole
 from .hooking import Hooks
 from .hookmap import Layout
 from .inputs import run_model
-from .errors import TensorChanged
+from .errors import ModelSpecError, TensorChanged
 from .site import (
     Site, hidden_location, iter_tensors, map_structure, primary_tensor, recorded_copy, replace_primary, snapshot, with_hidden,
 )
@@ -67,6 +67,12 @@ class Snapshots:
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is t and version is not None and hit[1] == version:
             return hit[2]
+        if t.is_meta:
+            raise ModelSpecError(
+                "the model computed a tensor without values (on the meta device): a weight read from disk is read when "
+                "the module holding it runs, and this model uses one outside such a call (its own forward computing "
+                "with another module's weight); diff it with the weights in memory"
+            )
         t_ = t.detach()
         if self.by_reference and version is not None and t_.device.type == "cpu":
             self._held[id(t_)] = (t_, version)

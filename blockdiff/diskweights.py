@@ -10,8 +10,11 @@ one child all read what they run, whatever calls them; the model never holds mor
 unit's weights.
 
 Tensors are read with ``pread`` by name (through ``model.safetensors.index.json`` for a
-sharded checkpoint) into memory of their own, then cast and moved: pages of a memory-mapped
-file count in the process's resident memory as long as they stay mapped, read ones don't.
+sharded checkpoint), then cast and moved: pages of a memory-mapped file count in the
+process's resident memory as long as they stay mapped, read ones don't. A released unit's
+memory is read into again by the next unit's tensors of the same shape and dtype (new
+memory is filled a tenth as fast: its pages fault in one by one); a tensor to be cast goes
+through a buffer kept up to ``SCRATCH`` bytes.
 A loaded parameter takes the place of its meta tensor with :func:`torch.utils.swap_tensors`,
 so every holder of the parameter (tied weights, blockdiff's pairing) sees it.
 """
@@ -134,9 +137,6 @@ class Checkpoint:
                     raise ModelSpecError(f"{stored.file}: ends inside tensor {name}")
                 done += got
 
-    def rate(self) -> float:
-        """Bytes read per second so far."""
-        return self.bytes_read / self.seconds if self.seconds else 0.0
 
 
 def _header(path: Path) -> dict[str, Stored]:
@@ -228,9 +228,16 @@ class DiskWeights:
                 self._handles.append(module.register_forward_pre_hook(lambda *_, unit=unit: self.hold(unit)))
 
     def _modules_by_unit(self) -> Iterator[tuple[Unit, list[nn.Module]]]:
+        """Each unit's modules: those inside it, and any other that holds one of its
+        parameters (a head tied to the embedding runs on the embedding's unit)."""
         by_name = dict(self.model.named_modules())
         for unit in self.units:
-            yield unit, [m for name, m in by_name.items() if name == unit.name or name.startswith(unit.name + ".")]
+            held = {id(p) for p in unit.params.values()}
+            yield unit, [
+                m for name, m in by_name.items()
+                if name == unit.name or name.startswith(unit.name + ".")
+                or any(id(p) in held for p in m._parameters.values() if p is not None)
+            ]
 
     def unit_of(self, path: str) -> Unit | None:
         """The unit holding the module ``path`` (or inside it)."""
@@ -311,10 +318,14 @@ class DiskWeights:
         self._spare(Unit("", {}, {}))
 
     def close(self) -> None:
+        """The unit held freed, the hooks taken off, the model no longer reading from disk
+        (its parameters left on the meta device): a later run attaches it again."""
         self.release()
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if getattr(self.model, "blockdiff_disk_weights", None) is self:
+            del self.model.blockdiff_disk_weights
 
 
 def _alone(tensor: torch.Tensor) -> bool:
@@ -368,7 +379,8 @@ def _units(model: nn.Module, checkpoint: Checkpoint) -> list[Unit]:
         owner = next((p for p in prefixes if names[0].startswith(p + ".")), names[0].rsplit(".", 1)[0])
         unit = units.setdefault(owner, Unit(owner, {}, {}))
         unit.params[name], unit.recipes[name] = param, recipe
-    return sorted(units.values(), key=lambda u: first_index(u, model))
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(units.values(), key=lambda u: order.get(u.name, len(order)))
 
 
 def _recipes(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str | Converted]:
@@ -406,11 +418,6 @@ def _recipes(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str | Conver
     return recipes
 
 
-def first_index(unit: Unit, model: nn.Module) -> int:
-    names = [name for name, _ in model.named_modules()]
-    return names.index(unit.name) if unit.name in names else len(names)
-
-
 def attach(model: nn.Module, folder: str | os.PathLike, *, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """``model`` (its parameters on the meta device) reading its weights from the
     checkpoint ``folder`` a unit at a time, in ``dtype`` on ``device``; its buffers cast
@@ -419,6 +426,7 @@ def attach(model: nn.Module, folder: str | os.PathLike, *, dtype: torch.dtype, d
 
 
 def _attached(model: nn.Module, checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    cast: dict[int, nn.Parameter] = {}  # tied parameters stay one parameter
     for path, module in model.named_modules():
         for name, buffer in module._buffers.items():
             stored = f"{path}.{name}" if path else name
@@ -428,7 +436,9 @@ def _attached(model: nn.Module, checkpoint: Checkpoint, *, dtype: torch.dtype, d
                 module._buffers[name] = buffer.to(device=device, dtype=dtype if buffer.is_floating_point() else None)
         for name, param in module._parameters.items():
             if param is not None and param.is_floating_point() and param.dtype != dtype:
-                module._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+                if id(param) not in cast:
+                    cast[id(param)] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+                module._parameters[name] = cast[id(param)]
     model.blockdiff_disk_weights = DiskWeights(model, checkpoint, dtype=dtype, device=device)  # type: ignore[assignment]
     return model
 
@@ -474,26 +484,32 @@ def parse_size(text: str) -> int:
     return int(float(number) * base**power)
 
 
-def _largest(model: Any, dtype: torch.dtype | None = None) -> tuple[str, int]:
-    """The largest unit's name and bytes (in ``dtype`` when given) of a model reading from
-    disk; a model in memory whole counts whole."""
-    weights = disk_weights(model)
-    if weights is None:
-        return "the whole model", sum(t.numel() * t.element_size() for t in model.parameters()) if isinstance(model, nn.Module) else 0
+def _largest(weights: DiskWeights, dtype: torch.dtype | None = None) -> tuple[str, int]:
+    """The largest unit's name and bytes (in ``dtype`` when given)."""
     unit = max(weights.units, key=lambda u: unit_bytes(u, dtype or weights.dtype))
     return unit.name, unit_bytes(unit, dtype or weights.dtype)
 
 
 def resident(ref: Any, cand: Any) -> list[tuple[str, str, int]]:
-    """What the weights of a diff hold at most at once: (side, unit, bytes) for the
+    """What the weights read from disk hold at most at once: (side, unit, bytes) for the
     reference, the candidate and — the candidate in another dtype — the reference's noise
-    floor (the reference's blocks read in the candidate's dtype)."""
-    held = [("the reference", *_largest(ref))] + ([("the candidate", *_largest(cand))] if cand is not None else [])
+    floor (the reference's blocks read in the candidate's dtype). A model held whole is
+    not the budget's (:func:`held_whole`)."""
     ref_weights, cand_weights = disk_weights(ref), disk_weights(cand)
+    held = [(side, *_largest(w)) for side, w in (("the reference", ref_weights), ("the candidate", cand_weights)) if w is not None]
     cand_dtype = cand_weights.dtype if cand_weights is not None else None
     if ref_weights is not None and cand_dtype is not None and cand_dtype != ref_weights.dtype:
-        held.append(("the reference's noise floor", *_largest(ref, cand_dtype)))
+        held.append(("the reference's noise floor", *_largest(ref_weights, cand_dtype)))
     return held
+
+
+def held_whole(ref: Any, cand: Any) -> list[tuple[str, int]]:
+    """(side, bytes) of each model held in memory whole (a factory's with its weights)."""
+    return [
+        (side, sum(t.numel() * t.element_size() for t in model.parameters()))
+        for side, model in (("the reference", ref), ("the candidate", cand))
+        if isinstance(model, nn.Module) and disk_weights(model) is None
+    ]
 
 
 def refusal(budget: int, ref: Any, cand: Any) -> str | None:
@@ -536,11 +552,14 @@ def note(budget: int, ref: Any, cand: Any) -> str:
     seconds = sum(c.seconds for c in read)
     nbytes = sum(c.bytes_read for c in read)
     rate = f" at {nbytes / seconds / 1e6:.0f} MB/s" if seconds else ""
+    whole = "".join(
+        f"; {side} is held whole, {_size(n)}{', over the budget' if n > budget else ''}" for side, n in held_whole(ref, cand)
+    )
     return (
         f"weights read from disk a block at a time (max_memory {_size(budget)}): at most "
         f"{_size(sum(n for _, _, n in held))} of weights at once ("
         + ", ".join(f"{side}'s {unit} {_size(n)}" for side, unit, n in held)
-        + f"); {_size(nbytes)} read{rate}; the process's peak resident memory {_size(peak_memory())}"
+        + f"){whole}; {_size(nbytes)} read{rate}; the process's peak resident memory {_size(peak_memory())}"
     )
 
 

@@ -103,6 +103,7 @@ def run(
         )
         check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))
         models = getattr(ref, "model", None), getattr(cand, "model", None)
+        _closed_after(models, opened)
         if options.max_memory is not None and (why := diskweights.refusal(options.max_memory, *models)) is not None:
             raise OptionsError(why)
         _show_reads(models)
@@ -110,6 +111,13 @@ def run(
         if options.max_memory is not None:
             report.notes.append(diskweights.note(options.max_memory, *models))
         return report
+
+
+def _closed_after(models: Sequence[Any], opened: ExitStack) -> None:
+    """Models reading from disk let go when the run ends, however it ends: the unit held
+    freed, the hooks off."""
+    for weights in {id(w): w for w in map(diskweights.disk_weights, models) if w is not None}.values():
+        opened.callback(weights.close)
 
 
 def _show_reads(models: Sequence[Any]) -> None:
@@ -248,6 +256,7 @@ def capture(
         if not side.live:
             raise InputError(f"{model}: a dump cannot be captured again; capture a model")
         model = getattr(side, "model", None)  # a live side's model (what reads from disk)
+        _closed_after([model], opened)
         if max_memory is not None and (why := diskweights.refusal(max_memory, model, None)) is not None:
             raise OptionsError(why)
         _show_reads([model])

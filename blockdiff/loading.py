@@ -29,7 +29,7 @@ from torch import nn
 
 from .diskweights import ATTRIBUTE, attach, empty_model
 from .dtypes import dtype_name
-from .errors import InputError, ModelSpecError
+from .errors import InputError, ModelSpecError, OptionsError
 from .inputs import model_device, model_dtype
 from .weights import trained_looking_
 
@@ -344,9 +344,20 @@ def build_model(
             ) from exc
     if not isinstance(model, nn.Module):
         return model
-    if from_disk and reads_from_disk(model):
+    if reads_from_disk(model):
+        if not from_disk:
+            raise unread(spec, model)
         return attach(model, getattr(model, ATTRIBUTE), dtype=dtype, device=device).eval()
     return place(model, device=device, dtype=dtype).eval()
+
+
+def unread(what: str, model: nn.Module) -> OptionsError:
+    """The refusal of a model without weights run without a budget to read them with."""
+    return OptionsError(
+        "{what} has no weights in memory (its parameters are on the meta device) and names its checkpoint "
+        "{checkpoint}: give {max_memory} to read them from disk a block at a time",
+        what=what, checkpoint=getattr(model, ATTRIBUTE),
+    )
 
 
 def reads_from_disk(model: nn.Module) -> bool:

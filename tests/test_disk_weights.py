@@ -55,6 +55,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         "llama-norm": _saved(_planted(hf_llama.build, "model.layers.2.post_attention_layernorm.weight"), root / "norm"),
         "llama-down": _saved(_planted(hf_llama.build, "model.layers.1.mlp.down_proj.weight", 1.2), root / "down", "1GB"),
         "moe": _saved(hf_moe.build(), root / "moe"),
+        "llama-tied": _saved(hf_llama.build(tie_word_embeddings=True), root / "tied"),
         "moe-expert": _saved(_planted(hf_moe.build, "model.layers.1.mlp.experts.gate_up_proj", 1.3, expert=3), root / "moe-expert"),
     }
 
@@ -75,6 +76,7 @@ CASES = {
     "moe-bfloat16": ("moe", "moe", {"dtypes": (None, torch.bfloat16)}),
     "moe-expert": ("moe", "moe-expert", {}),
     "ranked": ("llama", "llama-norm", {"rank": True}),
+    "tied-bfloat16": ("llama-tied", "llama-tied", {"dtypes": (None, torch.bfloat16)}),
 }
 
 
@@ -97,7 +99,7 @@ def test_a_diff_read_from_disk_reports_what_the_diff_in_memory_reports(checkpoin
     blamed = None if read.first_divergence is None else (read.first_divergence.block, read.first_divergence.subpath)
     assert blamed == {
         "norm-bug": (2, "norm"), "drill-down": (1, "ffn"), "bfloat16": None, "moe-bfloat16": None,
-        "moe-expert": (1, "ffn"), "ranked": (2, "norm"),
+        "moe-expert": (1, "ffn"), "ranked": (2, "norm"), "tied-bfloat16": None,
     }[case]
     if case == "norm-bug":  # the conversion diagnosis reads the block's weights from disk too
         assert "it is the reference's scaled by 1.5" in read.first_divergence.headline()
@@ -144,8 +146,24 @@ def test_a_factory_opts_in_with_a_meta_model_naming_its_checkpoint(checkpoints):
     report = run(on_disk(checkpoints["llama"]), on_disk(checkpoints["llama-norm"]), IDS, options=Options(max_memory=BUDGET))
     assert (report.first_divergence.block, report.first_divergence.subpath) == (2, "norm")
     # Without the budget, a model without weights is not read from disk: said, not run on meta tensors.
-    with pytest.raises(Exception):
+    with pytest.raises(OptionsError, match="the reference has no weights in memory .* give max_memory to read them"):
         run(on_disk(checkpoints["llama"]), on_disk(checkpoints["llama"]), IDS)
+    # A model handed over as it is comes back as it was: no hook left on it, its weights
+    # on the meta device, and it reads from disk again in the next run.
+    model = on_disk(checkpoints["llama"])()
+    for _ in range(2):
+        assert run(model, on_disk(checkpoints["llama"]), IDS, options=Options(max_memory=BUDGET)).first_divergence is None
+        assert not hasattr(model, "blockdiff_disk_weights")
+        assert all(not m._forward_pre_hooks for m in model.modules())
+        assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_model_with_its_weights_is_held_whole_and_said_so(checkpoints):
+    report = run(checkpoints["llama"], hf_llama.build, IDS, options=Options(max_memory=200 << 10))
+    assert report.first_divergence is None
+    (said,) = [n for n in report.notes if n.startswith("weights read from disk")]
+    whole = sum(p.numel() * 4 for p in hf_llama.build().parameters()) / 1024
+    assert f"(the reference's model.layers.0 144.5 KiB); the candidate is held whole, {whole:.1f} KiB, over the budget" in said
 
 
 def test_a_budget_below_one_block_names_the_block_and_its_size(checkpoints, capsys):

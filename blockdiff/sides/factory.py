@@ -29,7 +29,7 @@ from ..errors import InputError, run_model_code
 from ..hookmap import HookMap, layout_from_dict
 from ..diskweights import ATTRIBUTE, attach, disk_weights
 from ..inputs import model_dtype
-from ..loading import ACCEPTED, WEIGHT_SUFFIXES, build_model, reads_from_disk
+from ..loading import ACCEPTED, WEIGHT_SUFFIXES, build_model, reads_from_disk, unread
 from . import Side, dump, gguf, mlx, onnx
 from .live import LiveSide
 from .sharded import PipelineSide, ShardedSide
@@ -88,7 +88,9 @@ def open_side(
         spec = _built(f"model spec {text!r}: the factory", built)
     elif callable(spec) and not isinstance(spec, nn.Module) and kind_of(spec) == "model":
         spec = _built(f"the {role} factory", run_model_code(role, spec))
-    if from_disk and isinstance(spec, nn.Module) and reads_from_disk(spec) and disk_weights(spec) is None:
+    if isinstance(spec, nn.Module) and reads_from_disk(spec) and disk_weights(spec) is None:
+        if not from_disk:
+            raise unread(f"the {role}", spec)
         spec = attach(spec, getattr(spec, ATTRIBUTE), dtype=dtype or model_dtype(spec), device=torch.device(device or "cpu"))
     for kind in KINDS:
         if kind.claims(spec):
