@@ -13,7 +13,8 @@ recorded and localized like a forward pass (docs/decode.md):
 - the cache is a site: after each step, what each attention's experiment cache holds
   (keys and values apart, by position) is compared with the reference's own cache, and a
   wrong write is blamed on that block's attention ("kv cache: keys"), at the first step it
-  shows;
+  shows; a state-space or convolution mixer's states likewise ("conv state", "ssm state":
+  a Hugging Face linear-attention cache layer, as Mamba, Mamba2, Jamba and LFM2 keep);
 - noise floors come from the reference's own code at the candidate's precision, run the
   same way (its own caches), and drift floors from its own cached free run.
 
@@ -38,6 +39,7 @@ from torch import nn
 
 from .compare import metrics
 from .errors import InputError, OptionsError, run_model_code
+from .experiments import aligned
 from .inputs import accepts, run_model
 from .hooking import BufferCache
 from .report import Check, SubpathResult
@@ -45,7 +47,7 @@ from .sides import Side, Stepping
 from .sides.batched import PositionCut, RowSide
 from .sides.stepping import cache_buffers
 from .store import MemoryStore
-from .vocab import KV_KEYS, KV_VALUES
+from .vocab import CONV_STATE, KV_KEYS, KV_VALUES, SSM_STATE
 
 # What the CLI's --cache names, for Hugging Face models.
 CACHE_KINDS = ("dynamic", "static")
@@ -147,6 +149,8 @@ class StepCall:
 
 
 Layer = tuple[torch.Tensor, torch.Tensor]  # a cache layer's keys and values, [batch, kv_heads, positions, head_dim]
+States = dict[str, torch.Tensor]  # a cache layer's states (conv, ssm) by the name their checks carry
+Held = dict[str, torch.Tensor]  # what a cache layer holds, by the name its checks carry (keys, values, states)
 
 
 class CacheLog:
@@ -237,9 +241,23 @@ class Decoded:
     recordings: list[Any] = field(default_factory=list)  # what each step's record holds by reference
     greedy: list[torch.Tensor] = field(default_factory=list)
     caches: CacheLog = field(default_factory=CacheLog)
+    # Per step, per cache layer, its states (:func:`state_contents`): whole, since a state
+    # is rewritten at every step and its size does not grow.
+    states: list[list[States | None] | None] = field(default_factory=list)
     # Each step as a side of its own, where a step's experiments cannot run on the side
     # itself (a model without a cache: the whole sequence cut to the step, :func:`uncached`).
     sides: list[Any] = field(default_factory=list)
+
+    def held(self, step: int) -> list[Held | None] | None:
+        """Per cache layer, what the cache held after ``step``: its keys and values and its
+        states by the names their checks carry (``None``: a layer holding nothing); the
+        whole ``None``: nothing recorded or readable."""
+        kv = self.caches.at(step)
+        states = self.states[step] if step < len(self.states) else None
+        if kv is None and states is None:
+            return None
+        return [layer_held(None if kv is None or i >= len(kv) else kv[i], None if states is None or i >= len(states) else states[i])
+                for i in range(max(len(kv or []), len(states or [])))]
 
 
 def decode(
@@ -265,6 +283,7 @@ def decode(
         length += ids.shape[1]
         if contents:
             found.caches.add(contents_of(model, stepper, cache), length, ids.shape[1])
+            found.states.append(state_contents(cache))
         ids = (tokens[step] if tokens is not None else found.greedy[-1])[:, None]
     return found
 
@@ -312,6 +331,7 @@ def stored(side: Side, steps: int) -> Decoded:
     held = dump.decode() or {}  # type: ignore[union-attr]
     found.greedy = [t.cpu() for t in held.get("greedy", [])][: steps + 1]
     found.caches = CacheLog.from_structure(held.get("cache"))
+    found.states = list(held.get("states") or [])  # a dump written before states were: none compared
     if len(found.greedy) < steps + 1:
         raise InputError(f"{side.meta.get('dump')}: the dump's decode holds {len(found.greedy)} steps' tokens, {steps + 1} needed")
     return found
@@ -369,6 +389,39 @@ def layer_of(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None
     return None if held is None or layer >= len(held) else held[layer]
 
 
+def layer_held(kv: Layer | None, states: States | None) -> Held | None:
+    """What a cache layer holds, by the names its checks carry: keys and values, states."""
+    found = {} if kv is None else {KV_KEYS: kv[0], KV_VALUES: kv[1]}
+    found.update(states or {})
+    return found or None
+
+
+# A Hugging Face linear-attention cache layer's states (``LinearAttentionLayer``), by the
+# name their checks carry: the attribute holding them (per state index; the first compared).
+STATES = ((CONV_STATE, "conv_states"), (SSM_STATE, "recurrent_states"))
+
+
+def state_contents(cache: Any, *, copy: bool = True) -> list[States | None] | None:
+    """A cache's states, per layer: a Hugging Face linear-attention layer's conv state
+    (``[batch, channels, kernel]``) and recurrent (ssm) state, as :data:`STATES` names
+    them (copies on the CPU, or — ``copy`` false, read at once — the cache's own tensors),
+    ``None`` for a layer holding none (an attention layer, a state not written yet);
+    ``None`` for a cache blockdiff cannot read."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return None
+    found: list[States | None] = []
+    for layer in layers:
+        held = {}
+        for what, name in STATES:
+            states = getattr(layer, name, None)
+            state = states.get(0) if isinstance(states, dict) else None
+            if isinstance(state, torch.Tensor) and state.numel():
+                held[what] = state.detach().to("cpu", copy=copy)
+        found.append(held or None)
+    return found
+
+
 def cache_contents(cache: Any, *, copy: bool = True) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
     """What a cache holds, per layer: (keys, values), each ``[batch, kv_heads, positions,
     head_dim]`` (copies on the CPU, or — ``copy`` false, read at once — the cache's own
@@ -394,58 +447,63 @@ def filled(t: torch.Tensor, length: int) -> torch.Tensor:
     return t[:, :, :length] if t.shape[2] >= length else t
 
 
-def kv_checks(
-    experiments: Any, cand: Side, pair_blocks: list[Any], reference: list, length: int, step: int,
+def cache_checks(
+    experiments: Any, cand: Side, pair_blocks: list[Any], reference: list[Held | None], length: int, step: int,
     own: tuple[list | None, list | None] = (None, None),
 ) -> dict[int, list[Check]]:
-    """The cache as a site: per block whose attention keeps a cache layer, what the
-    candidate's attention experiment holds after this step (its module on the reference's
-    inputs at every step so far) against the reference's own cache, keys and values apart,
-    judged as the attention's output is (its floor: the reference's own code at the
+    """The cache as a site: per block whose token mixer keeps a cache layer, what the
+    candidate's experiment on it holds after this step (its module on the reference's
+    inputs at every step so far) against the reference's own cache — keys and values apart,
+    the positions filled so far; a state-space or convolution mixer's conv and ssm states
+    whole — judged as the mixer's output is (its floor: the reference's own code at the
     candidate's precision, run the same way). An experiment whose cache has shadowed its
     side's own run (never made: :meth:`~blockdiff.sides.Stepping.shadow`) holds what
-    that side's own cache held after this step: ``own`` (the candidate's, the floor run's)."""
+    that side's own cache held after this step: ``own`` (the candidate's, the floor run's;
+    per layer, as :meth:`Decoded.held` gives them)."""
     found: dict[int, list[Check]] = {}
     floors = experiments.floor_side
     for index, ref_path, cand_path, layer in pair_blocks:
-        if layer >= len(reference) or reference[layer] is None:
+        expected_layer = reference[layer] if layer < len(reference) else None
+        mine = None if not expected_layer else _held(cand, ("module", cand_path), layer, own[0])
+        if not expected_layer or not mine:
             continue
-        mine = _held(cand, ("module", cand_path), layer, own[0])
-        if mine is None:
-            continue
-        floor_layer = None if floors is None else _held(floors, ("module", ref_path), layer, own[1])
+        floor_layer = (None if floors is None else _held(floors, ("module", ref_path), layer, own[1])) or {}
         checks = []
-        for what, which in ((KV_KEYS, 0), (KV_VALUES, 1)):
-            expected = filled(reference[layer][which], length)
-            got = filled(mine[which], length)
-            if expected.shape != got.shape:
-                n = min(expected.shape[2], got.shape[2])
-                expected, got = expected[:, :, -n:], got[:, :, -n:]
-            floor = None
-            if floor_layer is not None:
-                f = filled(floor_layer[which], length)
-                if f.shape == expected.shape:
-                    floor = metrics(expected, f, dtype=experiments.dtype).rel_l2
+        for what, expected in expected_layer.items():
+            got, f = mine.get(what), floor_layer.get(what)
+            if got is None:
+                continue
+            if what in (KV_KEYS, KV_VALUES):  # the positions filled so far, those both hold
+                expected, got = filled(expected, length), filled(got, length)
+                f = None if f is None else filled(f, length)
+                if expected.shape != got.shape:
+                    n = min(expected.shape[2], got.shape[2])
+                    expected, got = expected[:, :, -n:], got[:, :, -n:]
+            else:  # a state in another layout is said so (ShapeMismatchError), not compared
+                got = aligned(f"step {step} block {index} attention", what, expected, got)
+            floor = None if f is None or f.shape != expected.shape else metrics(expected, f, dtype=experiments.dtype).rel_l2
             check = experiments.check("attention", what, cand_path, expected, got, floor)
             check.key = f"{what}:step {step} block {index}"
             checks.append(check)
-        found[index] = checks
+        if checks:
+            found[index] = checks
     return found
 
 
-def _held(side: Side, key: tuple, layer: int, own: list | None) -> Layer | None:
+def _held(side: Side, key: tuple, layer: int, own: list | None) -> Held | None:
     """What experiment ``key``'s cache holds for ``layer``: its stream's, or — a stream
     still shadowing the side's own run — the side's own cache's (``own``, per layer)."""
     steps = stepping(side)
     made = steps.made_stream(key)
     if made is not None:
-        return canonical(layer_of(made, layer), steps.stepper)
+        states = None if isinstance(made, BufferCache) else state_contents(made, copy=False)
+        return layer_held(canonical(layer_of(made, layer), steps.stepper), None if states is None or layer >= len(states) else states[layer])
     return own[layer] if own is not None and layer < len(own) else None
 
 
-def add_kv_checks(blocks: list[Any], checks: dict[int, list[Check]]) -> None:
-    """Put each block's cache checks first in its attention's results (a wrong cache write
-    is what the attention's output then shows)."""
+def add_cache_checks(blocks: list[Any], checks: dict[int, list[Check]]) -> None:
+    """Put each block's cache checks first in its token mixer's (``attention``) results (a
+    wrong cache write is what the mixer's output then shows)."""
     for block in blocks:
         extra = checks.get(block.index)
         if not extra:
@@ -478,7 +536,7 @@ def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None
 
 
 __all__ = [
-    "CACHE_KINDS", "CacheLog", "Decoded", "KV_LAYOUT", "canonical", "HFStepper", "StepCall", "Stepper", "add_kv_checks", "attention_layers",
-    "cache_contents", "contents_of", "decode", "first_difference", "kv_checks", "layer_of", "remember", "stepping", "stored", "stored_steps",
-    "stepper_for",
+    "CACHE_KINDS", "CacheLog", "Decoded", "KV_LAYOUT", "STATES", "canonical", "HFStepper", "StepCall", "Stepper", "add_cache_checks",
+    "attention_layers", "cache_checks", "cache_contents", "contents_of", "decode", "first_difference", "layer_held", "layer_of", "remember",
+    "state_contents", "stepping", "stored", "stored_steps", "stepper_for",
 ]

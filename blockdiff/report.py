@@ -19,7 +19,7 @@ from typing import Any
 from .compare import Metrics, from_json_number, json_number
 from .errors import BlockdiffError
 from .tolerance import Threshold
-from .vocab import DRIFT, BEFORE_BLOCKS, KV_CACHE, PART_OF, REPLICAS, SUBPATHS, UNATTRIBUTED
+from .vocab import DRIFT, BEFORE_BLOCKS, CACHE_PARTS, PART_OF, REPLICAS, SUBPATHS, UNATTRIBUTED
 
 SCHEMA = "blockdiff.report/2"
 # Every schema this version reads: /1 (blockdiff 0.4 and earlier) is /2 without decode steps.
@@ -489,7 +489,7 @@ class Report:
                     if result.explained_by is not None:  # a backward check the forward explains
                         continue
                     # A wrong cache write is what the attention's output then shows: named first.
-                    worst = next((c for c in result.checks if c.diverged and c.part == KV_CACHE), result.worst)
+                    worst = next((c for c in result.checks if c.diverged and c.part in CACHE_PARTS), result.worst)
                     assert worst is not None
                     blamed = block.blamed(name)
                     position = min((c.order for c in result.checks if c.diverged and c.order is not None), default=result.order)

@@ -72,9 +72,15 @@ DRIFT = "drift"
 KV_KEYS = "kv cache: keys"
 KV_VALUES = "kv cache: values"
 KV_CACHE = "kv cache"
+# What a state-space or convolution mixer's experiment cache holds after a decode step (a
+# Hugging Face linear-attention cache layer: Mamba, Mamba2, Jamba's Mamba layers, LFM2's
+# short convolutions), against the reference's own: each its own part.
+CONV_STATE = "conv state"
+SSM_STATE = "ssm state"
+CACHE_PARTS = (KV_CACHE, CONV_STATE, SSM_STATE)
 PART_OF = {
     ROUTER_LOGITS: "router", ROUTER_WEIGHTS: "router", ROUTING_FLIPS: "router", ROUTING_DIFFERS: "router",
-    EXPERTS: "experts", KV_KEYS: KV_CACHE, KV_VALUES: KV_CACHE,
+    EXPERTS: "experts", KV_KEYS: KV_CACHE, KV_VALUES: KV_CACHE, CONV_STATE: CONV_STATE, SSM_STATE: SSM_STATE,
 }
 
 

@@ -13,6 +13,8 @@ config objects with trained-looking weights from a fixed seed; needs ``transform
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -81,3 +83,48 @@ def build_mamba() -> nn.Module:
 
 def mamba_conv_reversed() -> nn.Module:
     return conv_reversed("mamba")
+
+
+# How much the planted decay bug scales A (the state's decay rate, ``A = -exp(A_log)``).
+DECAY_SCALE = 0.5
+
+
+class _DecayWrongWhenDecoding:
+    """A selective state-space mixer whose state decays at the wrong rate on the cached
+    single-token path only: ``A`` (read through ``A_log``, as every Hugging Face Mamba
+    mixer's scan reads it) scaled by :data:`DECAY_SCALE` while a step of one token runs with
+    a cache; the prompt (prefill) is right."""
+
+    @property
+    def A_log(self) -> torch.Tensor:
+        own = self._parameters["A_log"]
+        return own + math.log(DECAY_SCALE) if self.__dict__.get("_decoding") else own
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        self.__dict__["_decoding"] = cache is not None and hidden_states.shape[1] == 1
+        try:
+            return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)  # type: ignore[misc]
+        finally:
+            self.__dict__["_decoding"] = False
+
+
+def decay_wrong_when_decoding(family: str = "mamba", *, block: int | None = None) -> nn.Module:
+    """Block ``block``'s (default :data:`MIXER_BLOCK`) Mamba mixer updates its ssm state with
+    the wrong decay at decode steps only (:class:`_DecayWrongWhenDecoding`): a forward pass
+    and the prompt's step see nothing wrong."""
+    model = build(family)
+    mixer = token_mixer(model, MIXER_BLOCK[family] if block is None else block)
+    mixer.__class__ = type("DecayWrong" + type(mixer).__name__, (_DecayWrongWhenDecoding, type(mixer)), {})
+    return model
+
+
+def mamba_decay_wrong_when_decoding() -> nn.Module:
+    return decay_wrong_when_decoding("mamba")
+
+
+def mamba2_decay_wrong_when_decoding() -> nn.Module:
+    return decay_wrong_when_decoding("mamba2")
+
+
+def build_mamba2() -> nn.Module:
+    return build("mamba2")

@@ -129,7 +129,7 @@ def decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
         else:
             ref_run = run_model_code("reference", decoding.decode, ref, prompt, steps, steppers[0], hold=hold, contents=True)
         # Each side's own cache contents too: an experiment cache that shadows its side's own
-        # run holds those (decoding.kv_checks).
+        # run holds those (decoding.cache_checks).
         cand_run = run_model_code("candidate", decoding.decode, cand, prompt, steps, steppers[1], ref_run.greedy, hold=hold, contents=True)
         live_floors = tolerance.calibrated and ref.live
         floor = ref.in_precision(working_dtype(ref.dtype, cand.dtype), cand.device) if live_floors else None
@@ -152,9 +152,9 @@ def decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
             length = prompt.shape[1] + step
 
             def complete(localizer: Localizer, blocks: list, step: int = step, length: int = length) -> None:
-                own = cand_run.caches.at(step), (floor_run or cand_run).caches.at(step)
-                found = decoding.kv_checks(localizer.experiments, cand, layers, ref_run.caches.at(step) or [], length, step, own)
-                decoding.add_kv_checks(blocks, found)
+                own = cand_run.held(step), (floor_run or cand_run).held(step)
+                found = decoding.cache_checks(localizer.experiments, cand, layers, ref_run.held(step) or [], length, step, own)
+                decoding.add_cache_checks(blocks, found)
 
             reports.append(
                 localize(ref_step, cand, prompt, replace(options, tolerance=tolerance), free_run=lambda side: free,  # called at once, in this step
@@ -234,7 +234,7 @@ def capture(
         for step, store in enumerate(found.stores):
             for site in store.sites():
                 writer.add(site, step=step)
-        writer.add_decode({"greedy": found.greedy, "cache": found.caches.to_structure()})
+        writer.add_decode({"greedy": found.greedy, "cache": found.caches.to_structure(), "states": found.states})
 
 
 # Why a replayed decode is judged by fixed thresholds.
