@@ -99,12 +99,22 @@ def test_a_hybrid_compares_its_mamba_layers_states_and_its_attention_layers_keys
     assert [whats[:2] for whats in mixer_checks(clean)] == [["conv state", "output"], KV, ["conv state", "output"]]
 
 
-def test_a_candidate_decode_is_replayed_against_a_stored_state_space_decode(tmp_path, capsys):
+def test_a_candidate_decode_is_replayed_against_a_stored_state_space_decode(tmp_path, monkeypatch):
     path = tmp_path / "mamba.h5"
     capture("samples/hf_ssm.py:build_mamba", IDS, path, decode=STEPS)
     bug = run(str(path), hf_ssm.decay_wrong_when_decoding("mamba"), options=Options())
     assert blamed(bug) == (1, 1, "attention", "ssm state")
     assert mixer_checks(bug)[0][:2] == STATES
+    # A decode dump written before states were stored still replays: no state compared,
+    # the wrong decay blamed through the mixer's output.
+    from blockdiff.dump import DumpWriter
+
+    add_decode = DumpWriter.add_decode
+    monkeypatch.setattr(DumpWriter, "add_decode", lambda self, decode: add_decode(self, {k: v for k, v in decode.items() if k != "states"}))
+    capture("samples/hf_ssm.py:build_mamba", IDS, tmp_path / "old.h5", decode=STEPS)
+    old = run(str(tmp_path / "old.h5"), hf_ssm.decay_wrong_when_decoding("mamba"), options=Options())
+    assert blamed(old) == (1, 1, "attention", "output")
+    assert [whats[0] for whats in mixer_checks(old)] == ["output"] * 3
 
 
 def test_a_mamba_against_its_own_uncached_forward_blames_the_wrong_decay_on_its_mixer():
