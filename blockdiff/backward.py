@@ -47,8 +47,9 @@ from .errors import InputError, run_model_code
 from .experiments import aligned, same_call
 from .inputs import Inputs
 from .loss import Loss, resolve_loss
-from .pairing import BlockPair, pair_block, pair_outside
-from .report import BlockResult, Check, Report, StageResult, SubpathResult
+from .localize import Localizer
+from .pairing import BlockPair
+from .report import BlockResult, Check, Note, Report, StageResult, SubpathResult
 from .sides import GradientRuns, Replaced, Side
 from .sides.gradients import Gradients, ReplicaSplit
 from .sides.precision import twins
@@ -135,7 +136,7 @@ def judge(
     for runs in kept:  # the forward diff is over: a module run from here is the backward's own
         runs.close_graphs()
     try:
-        experiments = BackwardExperiments(ref, cand, inputs, resolved, run, recorded={} if recorded is None else recorded.gradients)
+        experiments = GradientChecks(ref, cand, inputs, resolved, run, recorded={} if recorded is None else recorded.gradients)
         back = experiments.report(forward, named)
     finally:
         for runs in kept:  # what the backward did not take
@@ -145,8 +146,11 @@ def judge(
     return forward
 
 
-class BackwardExperiments:
-    """The backward experiments of one diff, and how they are judged.
+class GradientChecks:
+    """The backward experiments of one diff, and how they are judged: the gradients'
+    direction of the one walk (:class:`~blockdiff.localize.Localizer`; its ``stage`` and
+    ``block`` are :class:`~blockdiff.localize.Direction`'s), the localizer built by
+    :meth:`report`.
 
     Args:
         ref, cand: the two sides, recorded (their forward stores hold the calls replayed).
@@ -160,6 +164,7 @@ class BackwardExperiments:
     ) -> None:
         self.ref, self.cand, self.tolerance = ref, cand, tolerance
         self.dtype = working_dtype(ref.dtype, cand.dtype)
+        self.judged = True  # whether gradient drift is judged (not after a forward divergence: report)
         self.notes: list[str] = []
         floor = ref.in_precision(self.dtype, cand.device) if tolerance.calibrated else None
         recorded = recorded or {}  # the free-running backwards run with the forward's records (Recorder)
@@ -294,16 +299,16 @@ class BackwardExperiments:
             if checks:
                 checks[0].details = {**(checks[0].details or {}), "parameters_not_paired": not_paired}
             self.notes.append(
-                f"{where}: parameter gradients that pair with nothing on the other side (by name, by role, order "
+                Note("gradients-not-paired", f"{where}: parameter gradients that pair with nothing on the other side (by name, by role, order "
                 "and shape, or through the module's children), not judged: "
-                + "; ".join(f"{side} {', '.join(names)}" for side, names in not_paired.items() if names)
+                + "; ".join(f"{side} {', '.join(names)}" for side, names in not_paired.items() if names))
             )
         reached = [t for t in [expected_in, *expected.values()] if t is not None]
         if any(bool(t.any()) for t in reached) and not any(bool(t.any()) for t in [*got_in.values(), *got_params.values()]):
             self.notes.append(
-                f"{where}: the candidate's module passes no gradient — every gradient of its input and weights is "
+                Note("no-gradient", f"{where}: the candidate's module passes no gradient — every gradient of its input and weights is "
                 "zero — where the reference's passes one: what it returns depends on none of them (a detach() or a "
-                "no-grad region in its code)"
+                "no-grad region in its code)")
             )
         worst = max(checks, key=lambda k: (k.diverged, k.ratio), default=None)
         try:
@@ -518,23 +523,24 @@ class BackwardExperiments:
         ref, cand = self.ref, self.cand
         first = forward.first_divergence
         judged = first is None  # a wrong forward makes every gradient downstream differ
-        notes = [
-            f"backward: both sides ran forward and backward on the same inputs, loss: {loss}, in eval mode (dropout "
+        notes: list[str] = [Note(
+            "backward", f"backward: both sides ran forward and backward on the same inputs, loss: {loss}, in eval mode (dropout "
             "off), every floating parameter requiring grad; gradients are judged from the head to the embedding "
             f"(reference loss {self.ref_g.loss:.6g}, candidate {self.cand_g.loss:.6g})"
-        ]
+        )]
         if not judged:
             notes.append(
-                f"backward: the forward diverges first ({first.where}): gradient drift is not judged (a wrong forward "
+                Note("backward-after-forward", f"backward: the forward diverges first ({first.where}): gradient drift is not judged (a wrong forward "
                 "makes every gradient downstream differ), and the backward checks of what the forward blames are "
-                "reported as explained by it"
+                "reported as explained by it")
             )
-        # Every stage and block by where it ran in the forward; the backward runs them in reverse.
-        pairs = pair_outside(ref.store, cand.store, ref.layout, cand.layout, notes)
-        stages = [self.stage(r, c, judged=judged) for r, c in pairs]
-        blocks = [self.block(pair_block(ref.store, cand.store, i, ref.layout, cand.layout), judged=judged)
-                  for i in ref.store.block_indices()]
-        _backward_order(stages, blocks, {id(s): r.order for s, (r, _) in zip(stages, pairs)})
+        # The one walk (localize.Localizer) over every stage and block by where it ran in the
+        # forward, each judged in the gradients' direction; numbered after in backward order.
+        self.judged = judged
+        localizer = Localizer(ref, cand, self.tolerance, direction=lambda _: self)
+        stages, blocks = list(localizer.stages()), list(localizer.blocks())
+        notes.extend(localizer.notes)
+        _backward_order(stages, blocks)
         if self.cand_g.replicas is not None:  # a side split across ranks (sides.sharded.gradient_split)
             notes.append(self.replicas_check(self.cand_g.replicas, stages, blocks))
         back = Report(
@@ -547,10 +553,10 @@ class BackwardExperiments:
         for divergence in back.divergences:
             if divergence.subpath == UNATTRIBUTED:
                 back.notes.append(
-                    f"{divergence.where}: the block's backward differs while each sub-path module alone, and its glue "
+                    Note("backward-unattributed", f"{divergence.where}: the block's backward differs while each sub-path module alone, and its glue "
                     "with the reference's own modules, are right: what runs differs when the block runs whole — a "
                     "recomputation that differs from the forward (activation checkpointing), or a module the hook "
-                    "map misses (`blockdiff arch`)"
+                    "map misses (`blockdiff arch`)")
                 )
         return back
 
@@ -567,8 +573,8 @@ class BackwardExperiments:
         )
         gradient = split.which
         message = distributed.replicas_message(split.ranks, split.measured.rel_l2, of=gradient)
-        note = (
-            f"backward: {describe_key(site.key) if site else path} ({path}): {message}; every rank holds this gradient "
+        note = Note(
+            "replicas-differ", f"backward: {describe_key(site.key) if site else path} ({path}): {message}; every rank holds this gradient "
             "whole and should compute the same bits: blamed where the replicas first differ in backward order (the "
             "missing or extra collective is in that module's backward)"
         )
@@ -593,17 +599,18 @@ class BackwardExperiments:
             result.status = "checked"
         return note
 
-    def stage(self, r: Site, c: Site, *, judged: bool) -> StageResult:
+    def stage(self, r: Site, c: Site, pairs: list[tuple[Site, Site]]) -> StageResult:
         """A stage outside the blocks (embedding, final norm, head): its module's backward
-        checks, the worst as its ``local`` (every one under ``details``), and its drift."""
+        checks, the worst as its ``local`` (every one under ``details``), and its drift;
+        numbered by its forward order until :func:`_backward_order` renumbers it."""
         checks = self.module_checks(r.stage, r, c)
-        drift, drift_check = self.drift(r, c, judged=judged)
+        drift, drift_check = self.drift(r, c, judged=self.judged)
         worst = max(checks, key=lambda k: (k.diverged, k.ratio), default=None)
         if worst is not None and len(checks) > 1:
             worst.details = {**(worst.details or {}), "checks": [k.to_dict() for k in checks]}
-        return StageResult(r.stage, c.module, worst, drift, drift_check=drift_check)
+        return StageResult(r.stage, c.module, worst, drift, order=r.order, drift_check=drift_check)
 
-    def block(self, pair: BlockPair, *, judged: bool) -> BlockResult:
+    def block(self, pair: BlockPair) -> BlockResult:
         """One block: each sub-path module's backward checks (an MoE ffn's router and
         experts apart too), the residual, the whole block and the drift of its input
         gradient."""
@@ -622,7 +629,7 @@ class BackwardExperiments:
             found = self.block_check(pair, residual=True)
             residual.checks = [found] if found is not None else []
         subpaths["residual"] = residual
-        drift, drift_check = self.drift(pair.ref_block, pair.cand_block, judged=judged)
+        drift, drift_check = self.drift(pair.ref_block, pair.cand_block, judged=self.judged)
         layout = pair.cand_layout
         return BlockResult(
             index=pair.index, module=pair.cand_block.module, stack=layout.stack if layout else "",
@@ -631,12 +638,12 @@ class BackwardExperiments:
         )
 
 
-def _backward_order(stages: list[StageResult], blocks: list[BlockResult], stage_orders: dict[int, int]) -> None:
+def _backward_order(stages: list[StageResult], blocks: list[BlockResult]) -> None:
     """Number every stage, block, sub-path and check in backward execution order: the
-    reverse of the forward's (the head first), inside a block its modules last to first and
-    its residual (the block input's gradient) after them."""
-    items: list[tuple[int, StageResult | BlockResult]] = [(stage_orders[id(s)], s) for s in stages]
-    items += [(int(b.order), b) for b in blocks]
+    reverse of the forward's (each holds its forward order; the head first), inside a block
+    its modules last to first and its residual (the block input's gradient) after them."""
+    items: list[tuple[float, StageResult | BlockResult]] = [(s.order, s) for s in stages]
+    items += [(b.order, b) for b in blocks]
     position = 0.0
     for _, item in sorted(items, key=lambda pair: -pair[0]):
         position += 1
@@ -686,4 +693,4 @@ def _explained(back: Report, forward: Report) -> None:
             block.subpaths[name].explained_by = label
 
 
-__all__ = ["BackwardExperiments", "Recorder", "gradient_runs", "judge", "refuse_backward"]
+__all__ = ["GradientChecks", "Recorder", "gradient_runs", "judge", "refuse_backward"]

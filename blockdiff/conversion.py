@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .diskweights import held
-from .report import Divergence, Report
+from .report import Divergence, Note, Report
 from .sides import Side
 
 
@@ -249,7 +249,7 @@ def _diagnose(divergence: Divergence, ref_path: str, ref_module: nn.Module, cand
     details = dict(divergence.check.details or {})
     details["conversion"] = found
     divergence.check.details = details
-    report.notes.append(f"{divergence.where}: its weights — " + "; ".join(found))
+    report.notes.append(Note("conversion", f"{divergence.where}: its weights — " + "; ".join(found)))
 
 
 def reference_path(ref: Side, cand: Side, stage: str, block: int | None, subpath: str | None, module: str) -> str | None:

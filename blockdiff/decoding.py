@@ -42,7 +42,7 @@ from .errors import InputError, OptionsError, run_model_code
 from .experiments import aligned
 from .inputs import accepts, run_model
 from .hooking import BufferCache
-from .report import Check, SubpathResult
+from .report import Check
 from .sides import Side, Stepping
 from .sides.batched import PositionCut, RowSide
 from .sides.stepping import cache_buffers
@@ -501,21 +501,6 @@ def _held(side: Side, key: tuple, layer: int, own: list | None) -> Held | None:
     return own[layer] if own is not None and layer < len(own) else None
 
 
-def add_cache_checks(blocks: list[Any], checks: dict[int, list[Check]]) -> None:
-    """Put each block's cache checks first in its token mixer's (``attention``) results (a
-    wrong cache write is what the mixer's output then shows)."""
-    for block in blocks:
-        extra = checks.get(block.index)
-        if not extra:
-            continue
-        result = block.subpaths.setdefault("attention", SubpathResult("checked"))
-        order = min((c.order for c in result.checks if c.order is not None), default=result.order)
-        for check in extra:
-            check.order = order
-        result.checks[:0] = extra
-        result.status = "checked"
-
-
 def attention_layers(ref: Side, cand: Side) -> list[tuple[int, str, str, int]]:
     """(block index, reference attention path, candidate attention path, cache layer) for
     every block with one attention module on both sides; the layer is the module's own
@@ -536,7 +521,7 @@ def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None
 
 
 __all__ = [
-    "CACHE_KINDS", "CacheLog", "Decoded", "KV_LAYOUT", "STATES", "canonical", "HFStepper", "StepCall", "Stepper", "add_cache_checks",
+    "CACHE_KINDS", "CacheLog", "Decoded", "KV_LAYOUT", "STATES", "canonical", "HFStepper", "StepCall", "Stepper",
     "attention_layers", "cache_checks", "cache_contents", "contents_of", "decode", "first_difference", "layer_held", "layer_of", "remember",
     "state_contents", "stepping", "stored", "stored_steps", "stepper_for",
 ]

@@ -41,7 +41,7 @@ from .modes.judging import describe_inputs, localize, measure_floors
 from .modes.options import Options
 from .modes.recording import PROGRESS, dump_meta, record_in_memory, stream
 from .pairing import check_block_counts
-from .report import Report
+from .report import Note, Report
 from .sides.factory import kind_of, open_side
 
 # A side as run() takes it: a model, a callable returning one, a model spec, a dump's path,
@@ -109,7 +109,7 @@ def run(
         _show_reads(models)
         report = modes.chosen(options, ref, cand).run(ref, cand, inputs, options)
         if options.max_memory is not None:
-            report.notes.append(diskweights.note(options.max_memory, *models))
+            report.notes.append(Note("disk-weights", diskweights.note(options.max_memory, *models)))
         return report
 
 

@@ -1,11 +1,14 @@
 """Localize: the order of the experiments of one diff, and nothing else.
 
-Works block by block from two sides (docs/design.md, "The localization procedure"; sides in
-:mod:`blockdiff.sides`): the stages outside blocks, then per block, in execution order,
-the block-level experiment, each sub-path module (an MoE ffn as router and experts,
-:func:`~blockdiff.moe.moe_checks`), the residual, the MoE routing statistics, and drift
-(judged too: drift no local check explains is a divergence, see
-:meth:`~blockdiff.report.Report.unexplained_drift`).
+One walk (:class:`Localizer`) over the sites of two recorded sides (docs/design.md, "The
+localization procedure"; sides in :mod:`blockdiff.sides`): the stages outside blocks, then
+block by block. What is judged at each pair of sites is a *direction*'s: the outputs'
+(:class:`Outputs`, the forward — and each decode step, whose cache checks it schedules as
+:data:`States`) or the gradients' (:class:`blockdiff.backward.Gradients`). Per block the
+outputs' judge, in execution order, the block-level experiment, each sub-path module (an
+MoE ffn as router and experts, :func:`~blockdiff.moe.moe_checks`), the block's state, the
+residual, the MoE routing statistics, and drift (judged too: drift no local check explains
+is a divergence, see :meth:`~blockdiff.report.Report.unexplained_drift`).
 Pairing is :mod:`blockdiff.pairing`'s, the experiments :mod:`blockdiff.experiments`'.
 
 With a candidate that cannot run (a dump), every site is judged on its drift alone: the
@@ -15,14 +18,14 @@ starts; replay against a live candidate tells them apart.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 
 from .experiments import Experiments, StoredFloors
 from .moe import moe_checks, moe_statistics, routing_shapes_differ
 from .pairing import BlockPair, check_block_counts, check_paired, in_order, output_position, pair_block, pair_outside
-from .report import BlockResult, Check, StageResult, SubpathResult
+from .report import BlockResult, Check, Note, StageResult, SubpathResult
 from .sides import Side
 from .compare import Metrics, metrics
 from .site import NotReplayable, Site, SiteKey, describe_key
@@ -34,19 +37,41 @@ from .vocab import EXPERTS, NOT_JUDGED, OFFLINE_DRIFT, reported_subpath
 T = TypeVar("T")
 
 
+class Direction(Protocol):
+    """What one direction judges at each pair of sites the localizer walks to: a site's
+    output (:class:`Outputs`, the forward) or its gradient (the backward's
+    :class:`~blockdiff.backward.Gradients`). ``stage`` gets every pair outside the blocks
+    too (a check may read the next stage's input); ``dtype`` is what comparisons are judged in."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def stage(self, r: Site, c: Site, pairs: list[tuple[Site, Site]]) -> StageResult: ...
+
+    def block(self, pair: BlockPair) -> BlockResult: ...
+
+
+# A mode's checks of what a block keeps from call to call (decode: its cache), run by
+# the localizer right after the block's sub-path checks, with its experiments: checks by
+# sub-path, put first in that sub-path's results (a wrong cache write is what the
+# module's output then shows).
+States = Callable[[Experiments, BlockPair], dict[str, list[Check]]]
+
+
 class Localizer:
-    """Runs the experiments of one diff. Build it, then iterate :meth:`stages` / :meth:`blocks`.
+    """The one walk of a diff: the stages outside the blocks, then block by block, each pair
+    of sites paired once (:mod:`blockdiff.pairing`), only what this process judges
+    (``Side.holds``), a streamed block's memory handed back once judged; what is judged at
+    each pair is the direction's (:class:`Outputs` unless one is given). Build it, then
+    iterate :meth:`stages` / :meth:`blocks`.
 
     Args:
         reference, candidate: the two sides, recorded. A candidate that is not live (a
             dump) gets drift-only checks; a live reference gives calibrated floors.
         tolerance: the judging policy, already resolved (see :meth:`Tolerance.resolved`).
-        fast_path: skip a block's sub-path experiments when the block-level local error is
-            within tolerance (they are reported as ``not_needed``).
-        capacity_factors: the counterfactual capacity factors of dropless MoE statistics.
-        stored: floors a dump stored for the candidate's precision (a replay).
-        precision: the (dtype, device) floors are measured at, when not the candidate's.
-        drill_all: drill down into every module check, not only divergent ones (ranking).
+        direction: what each pair is judged by, built from this localizer
+            (``direction(localizer)``); the outputs' (:class:`Outputs`) when not given,
+            with ``checks`` (its keywords).
     """
 
     def __init__(
@@ -55,32 +80,95 @@ class Localizer:
         candidate: Side,
         tolerance: Tolerance,
         *,
-        fast_path: bool = False,
-        capacity_factors: tuple[float, ...] = (1.0, 1.25),
-        stored: StoredFloors | None = None,
-        precision: tuple[torch.dtype, torch.device] | None = None,
-        drill_all: bool = False,
+        direction: Callable[[Localizer], Direction] | None = None,
+        **checks: Any,
     ) -> None:
         self.ref = reference
         self.cand = candidate
-        self.experiments = Experiments(reference, candidate, tolerance, stored=stored, precision=precision)
-        self.drill_all = drill_all
         self.tolerance = tolerance
-        self.fast_path = fast_path
-        self.capacity_factors = tuple(capacity_factors)
         self.moe: list[dict[str, Any]] = []  # routing statistics, one entry per MoE block
         self.nonfinite = NonfiniteScan()
         self.notes: list[str] = []  # what could not be judged, and why
+        self.direction: Direction = direction(self) if direction is not None else Outputs(self, **checks)
+
+    @property
+    def experiments(self) -> Experiments:
+        """The forward's experiments (the outputs' direction)."""
+        assert isinstance(self.direction, Outputs), "only the outputs' direction runs the forward's experiments"
+        return self.direction.experiments
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype comparisons are judged in (what a side completing the localization
         compares in: :class:`~blockdiff.sides.Judging`)."""
-        return self.experiments.dtype
+        return self.direction.dtype
 
     def _here(self, block: int | None, module: str = "") -> bool:
         """Whether this process judges the block or stage (``Side.holds``)."""
         return self.cand.holds(block, module)
+
+    def stages(self) -> Iterator[StageResult]:
+        """The results of the sites outside blocks (embed, context, final norm, head)."""
+        pairs = pair_outside(self.ref.store, self.cand.store, self.ref.layout, self.cand.layout, self.notes)
+        for r, c in pairs:
+            if self._here(None, c.module):
+                yield self.direction.stage(r, c, pairs)
+
+    def blocks(self) -> Iterator[BlockResult]:
+        """One :class:`BlockResult` per block, in order; reads one block's sites at a time."""
+        ref_blocks = self.ref.store.block_indices()
+        check_block_counts(len(ref_blocks), len(self.cand.store.block_indices()))
+        streamed = not (isinstance(self.ref.store, MemoryStore) and isinstance(self.cand.store, MemoryStore))
+        for index in ref_blocks:
+            if not self._here(index):
+                continue
+            yield self.block(index)
+            if streamed:
+                release_freed_memory()
+
+    def block(self, index: int) -> BlockResult:
+        return self.direction.block(pair_block(self.ref.store, self.cand.store, index, self.ref.layout, self.cand.layout))
+
+
+class Outputs:
+    """The forward's direction: each stage's and block's outputs judged — per block, in
+    execution order, the block-level experiment, each sub-path module (an MoE ffn as router
+    and experts, :func:`~blockdiff.moe.moe_checks`), what the block keeps from call to call
+    (``states``: a decode step's cache), the residual, the MoE routing statistics, and
+    drift. The experiments are :mod:`blockdiff.experiments`'.
+
+    Args:
+        fast_path: skip a block's sub-path experiments when the block-level local error is
+            within tolerance (they are reported as ``not_needed``).
+        capacity_factors: the counterfactual capacity factors of dropless MoE statistics.
+        stored: floors a dump stored for the candidate's precision (a replay).
+        precision: the (dtype, device) floors are measured at, when not the candidate's.
+        drill_all: drill down into every module check, not only divergent ones (ranking).
+        states: a mode's checks of what a block keeps from call to call (:data:`States`).
+    """
+
+    def __init__(
+        self,
+        localizer: Localizer,
+        *,
+        fast_path: bool = False,
+        capacity_factors: tuple[float, ...] = (1.0, 1.25),
+        stored: StoredFloors | None = None,
+        precision: tuple[torch.dtype, torch.device] | None = None,
+        drill_all: bool = False,
+        states: States | None = None,
+    ) -> None:
+        self.localizer = localizer
+        self.ref, self.cand = localizer.ref, localizer.cand
+        self.experiments = Experiments(self.ref, self.cand, localizer.tolerance, stored=stored, precision=precision)
+        self.drill_all = drill_all
+        self.fast_path = fast_path
+        self.capacity_factors = tuple(capacity_factors)
+        self.states = states
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.experiments.dtype
 
     def _judged(self, where: str, experiment: Callable[[], T]) -> T | None:
         """``experiment()``, or ``None`` (and a note) when a call it replays holds an
@@ -89,26 +177,22 @@ class Localizer:
         try:
             return experiment()
         except NotReplayable as exc:
-            self.notes.append(f"{where}: not judged: {exc} ({exc.advice})")
+            self.localizer.notes.append(Note("not-judged", f"{where}: not judged: {exc} ({exc.advice})"))
             return None
 
-    def stages(self) -> Iterator[StageResult]:
-        """Local errors and drift of the sites outside blocks (embed, context, final norm, head)."""
-        pairs = pair_outside(self.ref.store, self.cand.store, self.ref.layout, self.cand.layout, self.notes)
-        for r, c in pairs:
-            if not self._here(None, c.module):
-                continue
-            self.nonfinite.see(r, c)
-            drift = self.experiments.drift(r, c)
-            if self.cand.live:
-                check = self._judged(r.stage, lambda: self.experiments.module_check(r.stage, r, c))
-                judged = self.experiments.drift_check(r, c, drift)
-            else:  # the drift check is the stage's only check
-                check, judged = self.experiments.drift_check(r, c, drift, target=r.stage, what=OFFLINE_DRIFT), None
-            result = StageResult(r.stage, c.module, check, drift, order=r.order, drift_check=judged)
-            if self.cand.live and check is not None and check.diverged:
-                result.boundary_move = self._boundary_move(r, check, pairs)
-            yield result
+    def stage(self, r: Site, c: Site, pairs: list[tuple[Site, Site]]) -> StageResult:
+        """A stage's local error and drift."""
+        self.localizer.nonfinite.see(r, c)
+        drift = self.experiments.drift(r, c)
+        if self.cand.live:
+            check = self._judged(r.stage, lambda: self.experiments.module_check(r.stage, r, c))
+            judged = self.experiments.drift_check(r, c, drift)
+        else:  # the drift check is the stage's only check
+            check, judged = self.experiments.drift_check(r, c, drift, target=r.stage, what=OFFLINE_DRIFT), None
+        result = StageResult(r.stage, c.module, check, drift, order=r.order, drift_check=judged)
+        if self.cand.live and check is not None and check.diverged:
+            result.boundary_move = self._boundary_move(r, check, pairs)
+        return result
 
     def _boundary_move(self, r: Site, check: Check, pairs: list[tuple[Site, Site]]) -> dict[str, Any] | None:
         """Whether a stage's diverging output is code moved across its module boundary: the
@@ -136,29 +220,18 @@ class Localizer:
         agreement = metrics(expected, got, dtype=self.experiments.dtype)
         if agreement.nonfinite_cand or not agreement.rel_l2 <= check.threshold.value:
             return None
-        self.notes.append(
-            f"{r.stage} ({r.module}): the output differs (rel_l2 {check.measured:.3g}) but what reaches the "
+        self.localizer.notes.append(
+            Note("boundary-move", f"{r.stage} ({r.module}): the output differs (rel_l2 {check.measured:.3g}) but what reaches the "
             f"{reaches} agrees (rel_l2 {agreement.rel_l2:.3g}): code moved across the module boundary "
-            "(the same computation done inside the module on one side and after it on the other); not blamed"
+            "(the same computation done inside the module on one side and after it on the other); not blamed")
         )
         return {"reaches": reaches, "rel_l2": agreement.rel_l2}
 
-    def blocks(self) -> Iterator[BlockResult]:
-        """One :class:`BlockResult` per block, in order; reads one block's sites at a time."""
-        ref_blocks = self.ref.store.block_indices()
-        check_block_counts(len(ref_blocks), len(self.cand.store.block_indices()))
-        streamed = not (isinstance(self.ref.store, MemoryStore) and isinstance(self.cand.store, MemoryStore))
-        for index in ref_blocks:
-            if not self._here(index):
-                continue
-            yield self.block(index)
-            if streamed:
-                release_freed_memory()
-
-    def block(self, index: int) -> BlockResult:
-        pair = pair_block(self.ref.store, self.cand.store, index, self.ref.layout, self.cand.layout)
+    def block(self, pair: BlockPair) -> BlockResult:
+        """One block's results: its checks in execution order (the class's docstring)."""
+        index = pair.index
         for r, c in [(pair.ref_block, pair.cand_block), *pair.sites(), *self._routers(pair)]:
-            self.nonfinite.see(r, c)
+            self.localizer.nonfinite.see(r, c)
         if not self.cand.live:
             return self._drift_only(pair)
         exp = self.experiments
@@ -191,6 +264,14 @@ class Localizer:
                 result.status = NOT_JUDGED
             else:
                 result.checks.extend(checks)
+        if self.states is not None:
+            for name, found_states in self.states(self.experiments, pair).items():
+                result = subpaths.setdefault(name, SubpathResult("checked", order=pair.last_order()))
+                order = min((c.order for c in result.checks if c.order is not None), default=result.order)
+                for check in found_states:
+                    check.order = order
+                result.checks[:0] = found_states
+                result.status = "checked"
         residual = SubpathResult(status, order=pair.last_order() + 0.5)
         if not skip and pair.cand_layout is not None and pair.ref_layout is not None:
             checks = self._judged(f"{where} residual", lambda: exp.block_checks(pair, frozen=True))
@@ -199,7 +280,7 @@ class Localizer:
             else:
                 residual.checks = checks
         if pair.moe and not pair.routing_differs:
-            self.moe.append(moe_statistics(exp, pair, subpaths.get("ffn"), self.capacity_factors))
+            self.localizer.moe.append(moe_statistics(exp, pair, subpaths.get("ffn"), self.capacity_factors))
         subpaths["residual"] = residual
         layout = pair.cand_layout
         budget = None if skip else self.budget(pair, subpaths)
@@ -278,6 +359,8 @@ class Localizer:
         )
 
 
+
+
 # Dtypes with float32's range or more: summed in their own dtype (see _nonfinite).
 _OWN_RANGE_SUMS = (torch.bfloat16, torch.float32, torch.float64)
 
@@ -341,4 +424,4 @@ class NonfiniteScan:
             self._keep(role, position, where)
 
 
-__all__ = ["Localizer", "NonfiniteScan"]
+__all__ = ["Direction", "Localizer", "NonfiniteScan", "Outputs", "States"]

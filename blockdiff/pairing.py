@@ -15,6 +15,7 @@ from .hookmap import BlockLayout, Layout
 from .site import Site, SiteKey, describe_key
 from .store import SiteStore
 from .vocab import BEFORE_BLOCKS
+from .report import Note
 
 
 def check_block_counts(reference: int, candidate: int) -> None:
@@ -79,9 +80,9 @@ def one_sided_stages(
         for k in keys:
             del sites[k]
         notes.append(
-            f"{stage}: only the {here} has this stage ({modules}); the {'candidate' if here == 'reference' else 'reference'} "
+            Note("stage-one-side", f"{stage}: only the {here} has this stage ({modules}); the {'candidate' if here == 'reference' else 'reference'} "
             f"has no module for it (it computes it inside other modules, or keeps it as a constant), so it is left out "
-            f"of the pairing: its errors show in the blocks that use it"
+            f"of the pairing: its errors show in the blocks that use it")
         )
     return notes
 

@@ -446,6 +446,32 @@ def named_headline(divergence: Divergence) -> str:
     return f"{where} ({divergence.check.what}){head[len(where):]}"
 
 
+class Note(str):
+    """A report note: the sentence a person reads, and ``code``, what it is about — stable
+    across wordings, so scripts and tests read the code (``Report.note_codes``; every code
+    is listed in docs/report-format.md). A note is its text everywhere a string is used.
+
+    >>> note = Note("boundary-move", "embed (model.embed): the output differs ...")
+    >>> note.code, note.startswith("embed")
+    ('boundary-move', True)
+    """
+
+    code: str
+
+    def __new__(cls, code: str, text: str) -> Note:
+        note = super().__new__(cls, text)
+        note.code = code
+        return note
+
+    def __getnewargs__(self) -> tuple[str, str]:  # type: ignore[override]  # pickled across ranks
+        return self.code, str(self)
+
+
+def coded(code: str, texts: list[str]) -> list[str]:
+    """``texts`` as notes of ``code``."""
+    return [Note(code, text) for text in texts]
+
+
 @dataclass
 class Report:
     """Everything a diff found. ``first_divergence`` is ``None`` when nothing diverged."""
@@ -631,6 +657,12 @@ class Report:
                 return stack
         return None
 
+    @property
+    def note_codes(self) -> list[str]:
+        """Each note's code, in order (``""`` for a note written without one: a report
+        read from JSON that predates codes)."""
+        return [getattr(note, "code", "") for note in self.notes]
+
     def to_dict(self) -> dict[str, Any]:
         first = self.first_divergence
         out = {
@@ -648,7 +680,8 @@ class Report:
             "stages": [s.to_dict() for s in self.stages],
             "blocks": [b.to_dict() for b in self.blocks],
             "moe": self.moe,
-            "notes": self.notes,
+            "notes": [str(note) for note in self.notes],
+            "note_codes": self.note_codes,
         }
         if self.ranking is not None:
             out["ranking"] = self.ranking
@@ -690,7 +723,7 @@ class Report:
                 stages=[StageResult.from_dict(s) for s in data.get("stages", [])],
                 blocks=[BlockResult.from_dict(b) for b in data.get("blocks", [])],
                 moe=data.get("moe", []),
-                notes=data.get("notes", []),
+                notes=_notes(data.get("notes", []), data.get("note_codes")),
                 first_nonfinite=data.get("first_nonfinite"),
                 reference_nonfinite=data.get("reference_nonfinite"),
                 created=data.get("created", ""),
@@ -740,3 +773,11 @@ class Report:
 
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+def _notes(texts: list[str], codes: list[str] | None) -> list[str]:
+    """A report's notes read from JSON: each with its code where the report stores them
+    (``note_codes``, one per note), as written before codes otherwise."""
+    if not isinstance(codes, list) or len(codes) != len(texts):
+        return list(texts)
+    return [Note(code, text) if code else text for code, text in zip(codes, texts)]

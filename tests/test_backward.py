@@ -276,14 +276,14 @@ def test_each_model_runs_forward_once_and_shared_runs_change_no_number(build, mo
     assert sorted(blocks_judged) == sorted([*range(count), *again])
     # Every graph the forward kept was the backward's (none held for nothing until the end).
     assert len(made) == 2 and not any(graphs._kept for graphs in made)
-    probe = backward.BackwardExperiments.residual_probe
+    probe = backward.GradientChecks.residual_probe
     found: list[dict] = []
 
     def kept_apart(self, side, block, sites, shares):  # what it finds is not handed back: the residual runs
         found.append({})
         return probe(self, side, block, sites, found[-1])
 
-    monkeypatch.setattr(backward.BackwardExperiments, "residual_probe", kept_apart)
+    monkeypatch.setattr(backward.GradientChecks, "residual_probe", kept_apart)
     monkeypatch.setattr(backward.Recorder, "record", lambda self, side, inputs, store, **kw: side.record(inputs, store, **kw))
     apart, forwards = diffed()
     # Apart, each module experiment's forward runs again in the backward's (Graphs kept none).

@@ -135,5 +135,5 @@ def test_non_finite_values_already_in_the_reference_are_reported(ids):
     assert report.reference_nonfinite is not None
     assert report.reference_nonfinite["site"] == "embed"
     assert report.reference_nonfinite["nonfinite_ref"] > 0
-    assert any("the reference itself holds" in note for note in report.notes)
+    assert "reference-nonfinite" in report.note_codes
     assert report.to_dict()["reference_nonfinite"]["module"] == "embed"

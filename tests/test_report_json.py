@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import pickle
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +13,11 @@ import torch
 from blockdiff import BlockdiffError, Report, Tolerance, diff, hookmap
 from blockdiff.assertion import render_text
 from blockdiff.engine import capture, compare_dumps
+from blockdiff.report import Note
 from samples import bugs, tinylm
 
 SUBPATHS = {"attention", "ffn", "norm", "residual"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_report_has_the_contract_keys(ids, tmp_path):
@@ -141,3 +146,47 @@ def test_from_dict_refuses_what_is_not_a_report():
         Report.from_dict({"schema": "other/2"})
     with pytest.raises(BlockdiffError, match="found 'list'"):
         Report.from_dict([1, 2])
+
+
+# Notes as (code, text) ------------------------------------------------------------------
+
+DOCUMENTED = set(re.findall(r"^\s*\| `([a-z-]+)`(?:, `([a-z-]+)`)? \|", (ROOT / "docs" / "report-format.md").read_text(), re.M))
+DOCUMENTED_CODES = {code for pair in DOCUMENTED for code in pair if code}
+
+
+def test_every_note_code_written_in_the_code_is_documented():
+    written = set()
+    for path in (ROOT / "blockdiff").rglob("*.py"):
+        written |= set(re.findall(r'\b(?:Note|coded)\(\s*"([a-z-]+)"', path.read_text()))
+    assert written == DOCUMENTED_CODES
+
+
+NOTED = {
+    "offline dumps": (_offline, {"offline-drift"}),
+    "backward after a forward bug": (
+        lambda ids, _: diff(tinylm.build(), bugs.gelu_for_silu(block=2), ids, backward=True),
+        {"backward", "backward-after-forward"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(NOTED))
+def test_every_note_of_a_report_has_its_code_and_reads_back(name, ids, tmp_path):
+    make, expected = NOTED[name]
+    report = make(ids, tmp_path)
+    codes = report.note_codes + (report.backward.note_codes if report.backward else [])
+    assert expected <= set(codes) <= DOCUMENTED_CODES
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["note_codes"] == report.note_codes and data["notes"] == [str(n) for n in report.notes]
+    back = Report.from_dict(data)
+    assert back.note_codes == report.note_codes
+    assert (back.backward and back.backward.note_codes) == (report.backward and report.backward.note_codes)
+    old = {k: v for k, v in data.items() if k != "note_codes"}  # a report written before codes
+    assert Report.from_dict(old).notes == data["notes"] and set(Report.from_dict(old).note_codes) == {""}
+
+
+def test_a_note_is_its_text_and_pickles_with_its_code():
+    note = Note("boundary-move", "embed (embed): the output differs")
+    assert note == "embed (embed): the output differs" and "output differs" in note
+    again = pickle.loads(pickle.dumps(note))  # across ranks (distributed.every_rank)
+    assert again.code == "boundary-move" and again == note

@@ -23,7 +23,7 @@ def test_code_between_blocks_is_unexplained_drift_in_every_mode(mode, tmp_path, 
     first = data["first_divergence"]
     assert (first["stage"], first["block"], first["subpath"], first["module"]) == ("block", 2, "drift", "blocks.2")
     assert "First divergence: block 2 unexplained drift (blocks.2)" in out
-    assert any(note.startswith("unexplained drift:") and "--tol drift=VALUE" in note for note in data["notes"])
+    assert any(code == "unexplained-drift" and "--tol drift=VALUE" in note for code, note in zip(data["note_codes"], data["notes"]))
     # Every local check passes: the drift is the only divergence reported.
     assert [d["subpath"] for d in data["divergences"]] == ["drift"]
     assert data["blocks"][2]["drift_check"]["diverged"]

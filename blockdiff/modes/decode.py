@@ -20,8 +20,9 @@ from ..capture import TensorChanged, with_copies
 from ..dump import DumpWriter
 from ..errors import InputError, OptionsError, run_model_code
 from ..inputs import Inputs, check_inputs
-from ..localize import Localizer
-from ..report import Report
+from ..experiments import Experiments
+from ..pairing import BlockPair
+from ..report import Note, Report
 from ..sides import Side
 from ..tolerance import Tolerance, working_dtype
 from .forward import with_inputs
@@ -89,7 +90,7 @@ def replayed(ref: Side, cand: Side, inputs: Any, options: Options, stored_steps:
     prompt = dump_inputs(ref, cand, inputs)
     captured = (ref.store.meta.get("decode") or {}).get("cache", options.caches[0])  # type: ignore[union-attr]
     report = decoded(ref, cand, prompt, replace(options, decode=steps, caches=(captured, options.caches[1])))
-    report.notes.insert(1, f"replay: the reference is the decode dump {where} ({stored_steps} steps, {steps} replayed)")
+    report.notes.insert(1, Note("replay", f"replay: the reference is the decode dump {where} ({stored_steps} steps, {steps} replayed)"))
     return report
 
 
@@ -151,14 +152,16 @@ def decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
             free = floor_run.stores[step] if floor_run is not None else cand.store
             length = prompt.shape[1] + step
 
-            def complete(localizer: Localizer, blocks: list, step: int = step, length: int = length) -> None:
+            def states(experiments: Experiments, pair: BlockPair, step: int = step, length: int = length) -> dict[str, list]:
+                """The block's cache after this step (decoding.cache_checks), judged by the localizer with its token mixer."""
                 own = cand_run.held(step), (floor_run or cand_run).held(step)
-                found = decoding.cache_checks(localizer.experiments, cand, layers, ref_run.held(step) or [], length, step, own)
-                decoding.add_cache_checks(blocks, found)
+                layer = [entry for entry in layers if entry[0] == pair.index]
+                found = decoding.cache_checks(experiments, cand, layer, ref_run.held(step) or [], length, step, own)
+                return {"attention": found[pair.index]} if found.get(pair.index) else {}
 
             reports.append(
                 localize(ref_step, cand, prompt, replace(options, tolerance=tolerance), free_run=lambda side: free,  # called at once, in this step
-                          stateful=True, complete=complete, no_floors=NO_FLOORS)
+                          stateful=True, states=states, no_floors=NO_FLOORS)
             )
             # The reference's own calls, for the next steps' drill-downs (they replay its
             # modules' children on the cache its run held then).
@@ -173,8 +176,8 @@ def decoded(ref: Side, cand: Side, prompt: Inputs, options: Options) -> Report:
         reports, ref_run, cand_run = with_copies(attempt)
     report = _steps_report(reports, prompt, options, decoding.first_difference(ref_run.greedy, cand_run.greedy))
     if options.uncached_reference:
-        report.notes.insert(1, (
-            "a model against its own cache: the reference is the same model without a cache, its whole sequence "
+        report.notes.insert(1, Note(
+            "uncached-reference", "a model against its own cache: the reference is the same model without a cache, its whole sequence "
             "in one forward, each position paired with the cached step that computed it (the cache's contents are "
             "not compared: the uncached run keeps none)"
         ))
@@ -204,8 +207,8 @@ def _steps_report(reports: list[Report], prompt: torch.Tensor, options: Options,
         })
     where = "no step diverges" if not report.diverged else f"step {shown} is the first that diverges"
     report.decode["uncached_reference"] = options.uncached_reference
-    report.notes.insert(0, (
-        f"decode: the prompt ({int(prompt.shape[1])} tokens) prefilled as step 0, then {options.decode} steps of one "
+    report.notes.insert(0, Note(
+        "decode", f"decode: the prompt ({int(prompt.shape[1])} tokens) prefilled as step 0, then {options.decode} steps of one "
         f"token fed to both sides (the reference's greedy choice), each with its own cache ({' and '.join(dict.fromkeys(options.caches))}); {where}"
         + ("" if tokens_differ is None else f"; the two sides' greedy tokens first differ after step {tokens_differ}")
     ))

@@ -29,7 +29,7 @@ from ..dump import DumpReader
 from ..errors import DumpError, InputError, OptionsError
 from ..experiments import StoredFloors
 from ..inputs import Inputs, check_inputs, digest
-from ..report import Report
+from ..report import Note, Report
 from ..sides import Side
 from ..tolerance import Tolerance
 from .judging import localize
@@ -67,7 +67,7 @@ def with_inputs(ref: Side, inputs: Any, run: Callable[[Inputs], Report]) -> Repo
     concrete, made = ref.inputs(inputs)
     report = run(concrete)
     if made is not None:
-        report.notes.insert(0, f"inputs: {made}")
+        report.notes.insert(0, Note("inputs", f"inputs: {made}"))
     return report
 
 
@@ -123,10 +123,10 @@ def replayed(ref: Side, cand: Side, inputs: Any, options: Options) -> Report:
         report = in_memory(
             [cand], stored, lambda free_run: localize(ref, cand, stored, options, free_run=free_run), lockstep=cand.lockstep
         )
-    report.notes.insert(0, f"replay: the reference is the dump {ref.meta['dump']}")
+    report.notes.insert(0, Note("replay", f"replay: the reference is the dump {ref.meta['dump']}"))
     changed = _version_changes(ref.versions, cand.versions)
     if changed:
-        report.notes.insert(1, f"the dump was captured under other package versions ({changed}): code may have moved between modules")
+        report.notes.insert(1, Note("versions-differ", f"the dump was captured under other package versions ({changed}): code may have moved between modules"))
     return report
 
 
@@ -155,9 +155,9 @@ def offline(ref: Side, cand: Side, options: Options) -> Report:
     report = localize(ref, cand, ref_inputs, replace(options, tolerance=tolerance, fast_path=False, capacity_factors=()))
     basis = "its stored drift floors" if stored else "fixed thresholds"
     report.notes.append(
-        "offline comparison of two dumps: only drift could be computed, judged against "
+        Note("offline-drift", "offline comparison of two dumps: only drift could be computed, judged against "
         f"{basis}; local errors (which sub-path is wrong rather than where the error shows) "
-        f"need a live candidate: blockdiff diff {ref.meta['dump']} CANDIDATE_MODEL"
+        f"need a live candidate: blockdiff diff {ref.meta['dump']} CANDIDATE_MODEL")
     )
     return report
 

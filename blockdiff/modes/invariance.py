@@ -24,7 +24,7 @@ from ..errors import InputError, run_model_code
 from ..hookmap import HookMap
 from ..inputs import RandomTokens, accepts
 from ..moe import capacity_of
-from ..report import Report
+from ..report import Note, Report
 from ..sides.batched import RowCut, RowSide, rows_of
 from ..sides.factory import open_side
 from ..sides.live import LiveSide
@@ -221,15 +221,15 @@ def _summed(
     }
     bound = "bit-exact (threshold 0)" if tolerance == 0 else f"within rel_l2 {tolerance:g}"
     report.reference["model"] = f"{model}, row {row} alone"
-    notes = [
-        f"batch invariance: each of rows {_ranges([r for r, _ in found])} run alone (the reference) against the same row "
+    notes: list[str] = [Note(
+        "batch-invariance", f"batch invariance: each of rows {_ranges([r for r, _ in found])} run alone (the reference) against the same row "
         f"inside a batch of {count}{'' if padding is None else f' padded on the {padding}'} (the candidate), "
         f"{bound}; shown: row {row}" + (", whose divergence comes first" if diverged else "")
-    ]
+    )]
     for entry in sites.values():
         notes.append(
-            f"{entry['where']} ({entry['module']}): differs on rows {_ranges(entry['rows'])} "
-            f"(largest rel_l2 {entry['largest']:.3g})"
+            Note("invariance-rows", f"{entry['where']} ({entry['module']}): differs on rows {_ranges(entry['rows'])} "
+            f"(largest rel_l2 {entry['largest']:.3g})")
         )
     report.notes[:0] = notes
     return report

@@ -24,8 +24,8 @@ from ..dump.memory import release_freed_memory
 from ..errors import run_model_code
 from ..experiments import StoredFloors
 from ..inputs import Inputs, digest
-from ..localize import Localizer, NonfiniteScan
-from ..report import Report
+from ..localize import Localizer, NonfiniteScan, States
+from ..report import Note, Report
 from ..sides import Side
 from ..site import describe_key
 from ..tolerance import Tolerance, working_dtype
@@ -33,14 +33,9 @@ from ..vocab import DRIFT
 from .options import Options, OptionsError
 from .recording import counted, record_in_memory
 
-# A localization's last step, for a mode that adds checks of its own once every block is
-# judged (decode: the caches): called with the localizer and the blocks' results.
-Completion = Callable[[Localizer, list], None]
-
-
 def localize(
     ref: Side, cand: Side, inputs: Inputs | None, options: Options, *, free_run: Callable[[Side], Any] | None = None,
-    stateful: bool = False, complete: Completion | None = None, no_floors: str | None = None,
+    stateful: bool = False, states: States | None = None, no_floors: str | None = None,
 ) -> Report:
     """Localize two recorded sides into a report.
 
@@ -49,7 +44,8 @@ def localize(
             for drift floors, into a store it returns (in memory when not given). Floors a
             reference dump stored serve where it has them.
         stateful: the experiments carry state from call to call (decode steps' caches).
-        complete: the mode's own checks once every block is judged.
+        states: the mode's checks of what each block keeps from call to call, scheduled
+            by the localizer after the block's sub-path checks (:data:`~blockdiff.localize.States`).
         no_floors: why a reference dump stores no floors for this run, where the mode
             knows better than "capture it with --floors".
     """
@@ -58,7 +54,7 @@ def localize(
     floors = None if ref.live else ref.store.floors()
     localizer = Localizer(
         ref, cand, tolerance, fast_path=options.fast_path, capacity_factors=options.capacity_factors,
-        stored=StoredFloors.of(floors, ref, cand), drill_all=options.rank,
+        stored=StoredFloors.of(floors, ref, cand), drill_all=options.rank, states=states,
     )
     localizer.experiments.stateful = stateful
     floor = localizer.experiments.floor_side
@@ -75,8 +71,6 @@ def localize(
     def judge() -> tuple[list, list]:
         stages = run_model_code("candidate", lambda: list(localizer.stages()))
         blocks = run_model_code("candidate", lambda: counted(_block_by_block(localizer), "localize", len(cand.layout.blocks)))
-        if complete is not None:
-            run_model_code("candidate", complete, localizer, blocks)
         return stages, blocks
 
     with torch.inference_mode():
@@ -129,12 +123,12 @@ def _unexplained_drift_note(report: Report) -> None:
         else f"{first.check.threshold.basis} threshold"
     )
     report.notes.append(
-        f"unexplained drift: the free-running candidate drifts past its tolerance ({basis}) at "
+        Note("unexplained-drift", f"unexplained drift: the free-running candidate drifts past its tolerance ({basis}) at "
         f"{first.where.removesuffix(' unexplained drift')} ({first.module}) while every local check "
         "before it passes: the candidate runs something its modules "
         "do not compute when called alone (a compiled graph, a fused kernel, code the hook map does "
         "not see: `blockdiff arch MODEL`), or precision accumulates more than in the reference's own "
-        "code (compare precisions with --tolerance calibrated; accept it with --tol drift=VALUE)"
+        "code (compare precisions with --tolerance calibrated; accept it with --tol drift=VALUE)")
     )
 
 
@@ -144,15 +138,15 @@ def _floors_note(report: Report, localizer: Localizer, tolerance: Tolerance, flo
     label = precision_label(working_dtype(localizer.ref.dtype, localizer.cand.dtype), localizer.cand.device)
     if experiments.stored is not None:
         report.tolerance["floors"] = f"stored {label}"
-        report.notes.append(f"calibrated (stored floors): the dump's noise floors measured at {label}")
+        report.notes.append(Note("stored-floors", f"calibrated (stored floors): the dump's noise floors measured at {label}"))
     elif tolerance.calibrated and not experiments.calibrated:
         if floors:
             why = f"it stores floors for {', '.join(floors)}, not for the candidate's {label}"
         else:
             why = no_floors or f"it stores none: capture it with --floors {label}"
         report.notes.append(
-            "calibrated tolerance needs the live reference modules or floors stored in the dump "
-            f"({why}): fixed thresholds were used"
+            Note("fixed-thresholds", "calibrated tolerance needs the live reference modules or floors stored in the dump "
+            f"({why}): fixed thresholds were used")
         )
         report.tolerance["policy"] = "fixed"
 
@@ -200,9 +194,9 @@ def _nonfinite_notes(report: Report, scan: NonfiniteScan) -> None:
     if report.reference_nonfinite is not None:
         nf = report.reference_nonfinite
         report.notes.append(
-            f"the reference itself holds {nf['nonfinite_ref']} NaN/Inf values from {nf['site']} "
+            Note("reference-nonfinite", f"the reference itself holds {nf['nonfinite_ref']} NaN/Inf values from {nf['site']} "
             f"({nf['module']}) on: check the inputs and the reference; comparisons there use the "
-            "finite elements"
+            "finite elements")
         )
 
 
@@ -220,4 +214,4 @@ def describe_inputs(inputs: Inputs | None) -> dict[str, Any]:
     return {"kind": kind, "shape": shape, "digest": digest(inputs)}
 
 
-__all__ = ["Completion", "describe_inputs", "localize", "measure_floors", "now"]
+__all__ = ["describe_inputs", "localize", "measure_floors", "now"]

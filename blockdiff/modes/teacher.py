@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import OptionsError
-from ..report import Report
+from ..report import Note, Report
 from ..sides import Side
 from ..sides.replaced import TeacherForced as Forced
 from .forward import with_inputs
@@ -60,10 +60,10 @@ class TeacherForced:
             forced = Forced.judged(cand, inputs, ref.store, runtime)
             report = localize(ref, forced, inputs, options, free_run=free_run)
             report.notes.append(
-                f"teacher-forced: {runtime} cannot run one module at a time, so each local error is "
+                Note("teacher-forced", f"teacher-forced: {runtime} cannot run one module at a time, so each local error is "
                 "its value in a run of the candidate where every site's value was replaced by the "
                 "reference's as it was computed, each block check a run where the block outputs were; "
-                "drift is its free run"
+                "drift is its free run")
             )
             return report
 

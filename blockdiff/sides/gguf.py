@@ -33,6 +33,7 @@ from ..errors import InputError
 from ..site import SiteKey
 from . import Judged, Judging, Side
 from .replaced import RuntimeSide, Tap, Values, mirrored, settings_notes
+from ..report import Note, coded
 
 # An architecture's tensor names for the reference's anatomy, ``{i}`` the block: the site
 # whose output each tensor is, and the tensor that is its hidden input. ``embed`` has
@@ -229,20 +230,20 @@ class GgufSide(RuntimeSide):
         weights = self.meta["weights"]
         if self.quantized:
             judging.notes.append(
-                f"the GGUF's weights are {weights}: blockdiff cannot run the reference's code at that precision, so "
+                Note("gguf-quantized", f"the GGUF's weights are {weights}: blockdiff cannot run the reference's code at that precision, so "
                 "each check is judged against fixed float32 thresholds (expect every sub-path above them; "
-                "--rank N ranks them by error over threshold, the block that hurts most first)"
+                "--rank N ranks them by error over threshold, the block that hurts most first)")
             )
         elif self._dtype != torch.float32:
             judging.notes.append(
-                f"the GGUF's weights are {weights}: each check is judged against the reference's own code in "
-                f"{self.meta['dtype']} (calibrated floors)"
+                Note("gguf-precision", f"the GGUF's weights are {weights}: each check is judged against the reference's own code in "
+                f"{self.meta['dtype']} (calibrated floors)")
             )
         own = {
             name: (next(k for k, v in SETTINGS.items() if v == name).format(arch=self.model.architecture), value)
             for name, value in self.model.settings().items()
         }
-        judging.notes.extend(settings_notes(own, self.reference.attribute("config"), "the GGUF's metadata says"))
+        judging.notes.extend(coded("runtime-setting", settings_notes(own, self.reference.attribute("config"), "the GGUF's metadata says")))
         return judged
 
     def replaced(self, inputs: Any, values: Values) -> dict[str, torch.Tensor]:

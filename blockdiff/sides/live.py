@@ -67,6 +67,7 @@ from .compiled import compiled_code_limits, compiled_forwards, compiled_runnable
 from .gradients import GradientRunner, Gradients
 from .precision import cast_copy, floor_backward, twin_copy, twins
 from .stepping import DecodeStepper, cache_on
+from ..report import Note
 
 
 @contextlib.contextmanager
@@ -146,9 +147,9 @@ class LiveSide(SideDefaults):
         if around:
             names = ", ".join(f"{path or 'the model'}" for path in around)
             judging.notes.append(
-                f"the {self.name}'s forward of {names} is a compiled function (torch.compile(module.forward)): its run "
+                Note("compiled-forward", f"the {self.name}'s forward of {names} is a compiled function (torch.compile(module.forward)): its run "
                 "(the drift) went through the compiled code, every experiment ran the modules' eager code; to judge the "
-                "compiled code, compile the module itself (torch.compile(module) or module.compile())"
+                "compiled code, compile the module itself (torch.compile(module) or module.compile())")
             )
         return judged
 

@@ -24,6 +24,7 @@ from ..errors import InputError
 from ..site import SiteKey
 from . import Judged, Judging, Side
 from .replaced import RuntimeSide, Tap, Values, mirrored, settings_notes
+from ..report import coded
 
 # The settings of an mlx-lm model's arguments compared with the reference's config.
 SETTINGS = ("rope_theta", "rms_norm_eps", "num_attention_heads", "num_key_value_heads")
@@ -118,7 +119,7 @@ class MlxSide(RuntimeSide):
             for name in SETTINGS
             if isinstance(value := getattr(args, name, None), (int, float)) and not isinstance(value, bool)
         }
-        judging.notes.extend(settings_notes(own, self.reference.attribute("config"), "the MLX model's"))
+        judging.notes.extend(coded("runtime-setting", settings_notes(own, self.reference.attribute("config"), "the MLX model's")))
         return judged
 
     def replaced(self, inputs: Any, values: Values) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ from ..pairing import OPTIONAL_STAGES
 from ..site import Site
 from ..store import MemoryStore, SiteStore
 from . import Judged, Judging, SideDefaults
+from ..report import Note
 
 SCOPES = "pkg.torch.onnx.name_scopes"
 ONNX_SUFFIX = ".onnx"
@@ -481,15 +482,15 @@ class OnnxSide(SideDefaults):
         judged = judge()
         if self.folded:
             judging.notes.append(
-                f"{', '.join(self.folded)}: no node of the ONNX graph belongs to it (the exporter's optimizer folded "
-                "it into the graph's constants): left out of the candidate's sites"
+                Note("onnx-folded", f"{', '.join(self.folded)}: no node of the ONNX graph belongs to it (the exporter's optimizer folded "
+                "it into the graph's constants): left out of the candidate's sites")
             )
         moved = capture_changes_outputs(self.model, self, self._ran_on)
         judging.notes.append(
-            "ONNX Runtime candidate: sites found by the exporter's module scopes, experiments run as sub-graphs; "
+            Note("onnx-candidate", "ONNX Runtime candidate: sites found by the exporter's module scopes, experiments run as sub-graphs; "
             + ("recording every site as a graph output left the graph's outputs unchanged (bit for bit)" if moved == 0.0
                else f"recording every site as a graph output moved the graph's outputs by up to {moved:.3g} "
-                    "(ORT fuses differently around values it must output): drift is measured on the recorded run")
+                    "(ORT fuses differently around values it must output): drift is measured on the recorded run"))
         )
         return judged
 

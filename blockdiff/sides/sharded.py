@@ -27,7 +27,7 @@ from ..errors import PairingError
 from ..hookmap import Layout
 from ..inputs import Inputs
 from ..pairing import output_position
-from ..report import BlockResult, Check, SubpathResult
+from ..report import BlockResult, Check, Note, SubpathResult
 from ..site import Opaque, Site, map_opaque, map_structure, primary_tensor, replace_primary
 from ..store import MemoryStore, SiteStore
 from ..tolerance import Threshold
@@ -91,9 +91,9 @@ class ShardedSide(LiveSide):
             result.status = "checked"
         judging.notes.insert(
             0,
-            f"{site.label}: {message}; every rank holds this tensor whole and should "
+            Note("replicas-differ", f"{site.label}: {message}; every rank holds this tensor whole and should "
             "compute the same bits: blamed where the replicas first differ (later collectives mix the difference "
-            "into every rank)",
+            "into every rank)"),
         )
         return stages, blocks
 
