@@ -332,6 +332,44 @@ def disk_weights(ctx: Context) -> tuple[bool, str, str]:
     return found == ["nothing blamed", "block 2 norm"], "nothing blamed; block 2 norm", "; ".join(found)
 
 
+@check("10 a tensor written in place after its hook (HF Falcon's MLP output), captured on DEVICE: as the hook saw it")
+def written_after_hook(ctx: Context) -> tuple[bool | None, str, str]:
+    """The race of asynchronous copies (capture.DeviceCopies), closed by the snapshot on the
+    forward's stream: the capture with copies on a side stream against the same CUDA model
+    captured with synchronous copies (bit for bit), and against its CPU capture."""
+    skipped = ctx.skip_without_cuda("equal bit for bit to a synchronous capture; the CPU capture within 1e-4")
+    if skipped:
+        return skipped
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from blockdiff import resolve
+    from blockdiff.capture import Snapshots, capture, record
+    from blockdiff.store import MemoryStore
+    from samples import tinylm
+
+    model = tinylm.build_adds_into_ffn(block=1)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 64))
+    layout = resolve(model)
+    on_cpu = MemoryStore()
+    record(model, layout, on_cpu, ids)
+    model = model.to("cuda")
+    stores = {}
+    for name, snapshots in (("async", Snapshots()), ("sync", Snapshots(lockstep=True))):
+        stores[name] = MemoryStore()
+        with capture(model, layout, stores[name], snapshot=snapshots), torch.no_grad():
+            model(ids.to("cuda"))
+        torch.cuda.synchronize()
+
+    def outputs(store: MemoryStore) -> dict[Any, torch.Tensor]:
+        return {s.key: s.primary_output() for i in store.block_indices() for s in store.block_sites(i)}
+
+    got, sync, cpu = (outputs(stores["async"]), outputs(stores["sync"]), outputs(on_cpu))
+    unequal = [str(k) for k in sync if not torch.equal(got[k].cpu(), sync[k].cpu())]
+    worst = max(float((got[k].cpu() - cpu[k]).norm() / cpu[k].norm().clamp_min(1e-30)) for k in cpu)
+    ok = not unequal and worst <= 1e-4
+    return ok, "equal bit for bit to a synchronous capture; the CPU capture within 1e-4", \
+        f"{len(sync) - len(unequal)}/{len(sync)} sites equal bit for bit; largest rel_l2 against the CPU {worst:.2e}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU; skip what needs CUDA itself")

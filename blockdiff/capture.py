@@ -127,8 +127,13 @@ class Snapshots:
 class DeviceCopies:
     """Copies of a CUDA model's activations to the CPU, overlapped with its forward.
 
-    Each copy is queued on a side stream (after the work that produced the tensor) into a
-    pinned host buffer, and the forward goes on; a CUDA event marks when it lands. At most
+    Each tensor is first copied on the forward's own stream (a device-to-device snapshot:
+    :meth:`copy`), then that snapshot is queued on a side stream (after the work that made
+    it) into a pinned host buffer, and the forward goes on; a CUDA event marks when it
+    lands. The snapshot closes a race by construction: the side stream's copy runs later,
+    and a model may write the tensor in place after its hook (HF Falcon adds into its MLP's
+    output); the snapshot is ordered before any such write by the stream itself, and
+    nothing but the side stream reads it. At most
     ``limit`` copies are in flight: one more waits for the oldest, so the forward runs at
     most that far ahead of its copies, and a streamed capture (which frees each buffer once
     its site is written) holds at most that many buffers besides (a store in memory keeps
@@ -139,9 +144,10 @@ class DeviceCopies:
     before the copy has read it.
 
     A tensor not on a CUDA device is copied as before (:func:`~blockdiff.site.recorded_copy`).
-    The bounding and ordering logic is tested on the CPU with a stand-in for the stream
-    (``events``); the copies ran on an H200 in ``benchmarks/device_check.py``
-    (docs/performance.md, *The GPU check*).
+    The bounding, ordering and snapshot logic is tested on the CPU with a stand-in for the
+    stream (``events``, whose copy reads its tensor only when it lands); the copies ran on an
+    H200 in ``benchmarks/device_check.py`` (docs/performance.md, *The GPU check*), whose
+    check 10 captures a model that writes a recorded tensor in place after its hook.
 
     Args:
         limit: copies in flight at most.
@@ -164,7 +170,8 @@ class DeviceCopies:
         """A CPU copy of ``t``; for a CUDA tensor, one that lands later (:meth:`wait_for`)."""
         if not self.handles(t):
             return recorded_copy(t)
-        host, event = (self._events or self._queue)(t)
+        # On the forward's stream, before it can write ``t`` again: what the copy reads.
+        host, event = (self._events or self._queue)(t.clone())
         self._in_flight.append((event, id(host)))
         self._pending.add(id(host))
         while len(self._in_flight) > self.limit:

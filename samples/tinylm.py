@@ -262,3 +262,21 @@ def build_moe_unnormalized(*, seed: int = 0) -> TinyLM:
 def build_moe_capacity(*, seed: int = 0) -> TinyLM:
     """MoE variant with an expert capacity (factor 1.0) that drops tokens by position."""
     return build_moe(seed=seed, capacity_factor=1.0)
+
+
+def build_adds_into_ffn(*, seed: int = 0, block: int = 1) -> TinyLM:
+    """The reference model computing the same outputs, but block ``block`` adds its residual
+    into its FFN's output tensor in place — after the FFN's hook has recorded that tensor
+    (HF Falcon adds into its MLP's output): what an asynchronous copy of the recorded
+    tensor must not see."""
+    model = build(seed=seed)
+    layer = model.blocks[block]
+
+    def forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + layer.attn(layer.attn_norm(x), cos, sin)
+        out = layer.ffn(layer.ffn_norm(x))
+        out += x
+        return out
+
+    layer.forward = forward
+    return model

@@ -135,16 +135,16 @@ def test_a_module_overwriting_what_it_returned_before_leaves_the_report_unchange
 
 
 class _Landing:
-    """A stand-in for a CUDA side stream: a copy is taken when queued and lands in the host
-    buffer (NaN until then) only when its event is synchronized; ``landed`` lists the
-    copies in the order they landed."""
+    """A stand-in for a CUDA side stream: a copy reads its tensor and lands in the host
+    buffer (NaN until then) only when its event is synchronized, as a side stream's copy
+    may run long after it was queued; ``landed`` lists the copies in the order they landed."""
 
     def __init__(self) -> None:
         self.landed: list[int] = []
         self.queued = -1
 
     def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
-        source = t.detach().clone()
+        source = t.detach()  # read when it lands, as a side stream's copy does
         host = torch.full_like(t, float("nan")) if t.is_floating_point() else torch.full_like(t, -1)
         landing = self
         queued = self.queued = self.queued + 1
@@ -172,6 +172,27 @@ def test_device_copies_keep_a_bounded_number_in_flight_and_land_in_order():
     copies.wait_all()
     assert landing.landed == [0, 1, 2, 3, 4] and copies.in_flight == 0
     assert [float(h[0]) for h in hosts] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_tensor_written_in_place_after_its_hook_is_recorded_as_the_hook_saw_it(ids):
+    """The race of asynchronous device copies, closed by construction: each copy reads a
+    snapshot taken on the forward's stream at the hook, not the model's tensor, which the
+    model writes again before the copy runs (the stand-in copies only when it lands)."""
+    model = tinylm.build_adds_into_ffn(block=1)
+    assert torch.equal(model(ids), tinylm.build()(ids))  # the same outputs, a tensor written again
+    layout = resolve(model)
+    expected = MemoryStore()
+    record(model, layout, expected, ids)
+    landing = _Landing()
+    in_memory = MemoryStore()
+    snapshots = Snapshots(device_copies=DeviceCopies(limit=64, events=landing))
+    with capture(model, layout, in_memory, snapshot=snapshots), torch.no_grad():
+        out = model(ids)
+    assert landing.landed  # every copy went through the stand-in, landing late
+    got = {s.key: s for i in in_memory.block_indices() for s in in_memory.block_sites(i)}
+    for site in (s for i in expected.block_indices() for s in expected.block_sites(i)):
+        assert torch.equal(got[site.key].primary_output(), site.primary_output()), site.label
+    assert torch.isfinite(out).all()
 
 
 def test_a_dump_written_through_device_copies_holds_every_value_landed(ids, tmp_path):
