@@ -67,15 +67,18 @@ class Hooks:
         self._undo.append(lambda: setattr(module, "_compiled_call_impl", original))
 
     def replace_forward(self, module: nn.Module, make: Callable[[Callable], Callable]) -> None:
-        """``module.forward`` replaced, on the instance, by ``make(current forward)``."""
+        """``module.forward`` replaced, on the instance, by ``make(current forward)``.
+        Set through ``nn.Module``'s own ``__setattr__``: a module may pass attributes on
+        (TransformerLens 4's bridge components set an attribute their wrapped Hugging Face
+        module has on that module, which the bridge's forward need not call)."""
         previous = module.__dict__.get("forward", _MISSING)
-        module.forward = make(module.forward)
+        nn.Module.__setattr__(module, "forward", make(module.forward))
 
         def undo() -> None:
             if previous is _MISSING:
-                del module.forward
+                nn.Module.__delattr__(module, "forward")
             else:
-                module.forward = previous
+                nn.Module.__setattr__(module, "forward", previous)
 
         self._undo.append(undo)
 

@@ -398,9 +398,13 @@ def apply_map(model: nn.Module, hook_map: HookMap) -> Layout:
     # Maps name modules as written, without torch.compile's wrappers: a path is looked up
     # with every `_orig_mod` step taken out, and stands for the outermost module there
     # (`layers.0` for a compiled layer, whose own modules are `layers.0._orig_mod.*`).
+    # A module registered twice is found by either path and stands under its name in
+    # named_modules(): TransformerLens 4's bridge registers Hugging Face GPT-2's `ln_1` as
+    # `blocks.0._original_component.ln_1` and again as `blocks.0.ln1`.
+    named = {id(module): path for path, module in modules.items()}
     actual: dict[str, str] = {}
-    for path in modules:
-        actual.setdefault(without_compile(path), path)
+    for path, module in model.named_modules(remove_duplicate=False):
+        actual.setdefault(without_compile(path), named[id(module)])
 
     def lookup(path: str) -> str | None:
         found = actual.get(without_compile(path))

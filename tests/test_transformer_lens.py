@@ -1,25 +1,44 @@
-"""TransformerLens ``HookedTransformer`` against Hugging Face GPT-2 and Llama with the same
-weights: the bundled ``transformer_lens`` map (activation keywords, ``ln1``'s first call,
-the broadcast positional embedding) pairs the two codebases site by site."""
+"""TransformerLens against Hugging Face with the same weights, in whichever major version is
+installed: TransformerLens 3's ``HookedTransformer`` (the bundled ``transformer_lens`` map:
+activation keywords, ``ln1``'s first call, the broadcast positional embedding) and
+TransformerLens 4's ``TransformerBridge`` (the bundled ``transformer_bridge`` map: the
+TransformerLens names of the Hugging Face modules it wraps). TransformerLens 4 removed
+``HookedTransformer`` and TransformerLens 3 cannot build a bridge around a model, so the
+tests of the other version skip, saying which is installed."""
 
 from __future__ import annotations
 
 import json
+from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("transformers")
-pytest.importorskip("transformer_lens")
 
 from blockdiff import diff  # noqa: E402
 from blockdiff.capture import record  # noqa: E402
 from blockdiff.autodetect import resolve  # noqa: E402
 from blockdiff.hookmap import ModuleOptions  # noqa: E402
 from blockdiff.store import MemoryStore  # noqa: E402
+from samples import transformer_bridge as bridges  # noqa: E402
 from samples import transformer_lens as tl_samples  # noqa: E402
 from tests.conftest import blamed, run_cli  # noqa: E402
 
+try:
+    TL_VERSION: str | None = version("transformer-lens")
+except PackageNotFoundError:
+    TL_VERSION = None
+TL_MAJOR = int(TL_VERSION.split(".")[0]) if TL_VERSION else None
+hooked_transformer = pytest.mark.skipif(
+    TL_MAJOR != 3,
+    reason=f"HookedTransformer needs TransformerLens 3 (installed: {TL_VERSION or 'none'}; 4 removed it)",
+)
+transformer_bridge = pytest.mark.skipif(
+    TL_MAJOR != 4,
+    reason=f"TransformerBridge around a model needs TransformerLens 4 (installed: {TL_VERSION or 'none'})",
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +57,20 @@ def hooks(family: str) -> dict:
 
 
 @pytest.mark.parametrize("family", tl_samples.FAMILIES)
-def test_the_sample_computes_the_hugging_face_logits(family, ids):
+@pytest.mark.parametrize(
+    "sample",
+    [
+        pytest.param(tl_samples, marks=hooked_transformer, id="HookedTransformer"),
+        pytest.param(bridges, marks=transformer_bridge, id="TransformerBridge"),
+    ],
+)
+def test_the_sample_computes_the_hugging_face_logits(sample, family, ids):
     with torch.no_grad():
-        expected, got = tl_samples.reference(family=family)(ids).logits, tl_samples.build(family=family)(ids)
+        expected, got = sample.reference(family=family)(ids).logits, sample.build(family=family)(ids)
     assert float((got - expected).norm() / expected.norm()) < 1e-6
 
 
+@hooked_transformer
 def test_the_bundled_map_matches_hooked_transformer(tl):
     layout = resolve(tl)
     assert layout.hook_map.name == "transformer_lens"
@@ -58,6 +85,7 @@ def test_the_bundled_map_matches_hooked_transformer(tl):
     assert layout.options("blocks.2.ln2") == layout.options("no.such.module")  # the defaults
 
 
+@hooked_transformer
 def test_capture_records_the_first_ln1_call_and_the_attention_inputs(tl, ids):
     store = MemoryStore()
     record(tl, resolve(tl), store, ids)
@@ -73,6 +101,7 @@ def test_capture_records_the_first_ln1_call_and_the_attention_inputs(tl, ids):
     assert torch.equal(inputs["key_input"], ln1.primary_output())
 
 
+@hooked_transformer
 @pytest.mark.parametrize("family", tl_samples.FAMILIES)
 def test_same_weights_blame_nothing(family, ids):
     report = diff(tl_samples.reference(family=family), tl_samples.build(family=family), ids, **hooks(family))
@@ -87,6 +116,7 @@ def test_same_weights_blame_nothing(family, ids):
         assert f"input of blocks.{block.index}.attn" in [c.what for c in block.subpaths["residual"].checks]
 
 
+@hooked_transformer
 @pytest.mark.parametrize("family", tl_samples.FAMILIES)
 def test_hugging_face_as_the_candidate_of_transformer_lens(family, ids):
     # The candidate's blocks run the experiments: Hugging Face calls each norm once.
@@ -106,6 +136,7 @@ def test_hugging_face_as_the_candidate_of_transformer_lens(family, ids):
     assert [(d.block, d.subpath) for d in report.divergences] == [(0, "ffn")]
 
 
+@hooked_transformer
 def test_without_broadcast_the_positional_embedding_is_a_shape_mismatch(hf, tl, ids):
     from dataclasses import replace
 
@@ -118,6 +149,7 @@ def test_without_broadcast_the_positional_embedding_is_a_shape_mismatch(hf, tl, 
         diff(tl, hf, ids, reference_hooks=unbroadcast)
 
 
+@hooked_transformer
 @pytest.mark.parametrize("family", tl_samples.FAMILIES)
 @pytest.mark.parametrize("make", list(tl_samples.BUGS), ids=lambda make: make.__name__)
 def test_planted_bug_is_blamed_on_its_block_and_sub_path_only(make, family, ids):
@@ -126,6 +158,7 @@ def test_planted_bug_is_blamed_on_its_block_and_sub_path_only(make, family, ids)
     assert [(d.stage, d.block, d.subpath) for d in report.divergences] == [("block", 1, tl_samples.BUGS[make])]
 
 
+@hooked_transformer
 def test_bfloat16_transformer_lens_against_float32_hugging_face(hf, ids):
     """Calibrated floors: Hugging Face's own code at bfloat16 calls each norm once."""
     report = diff(hf, tl_samples.build().to(torch.bfloat16), ids)
@@ -135,6 +168,7 @@ def test_bfloat16_transformer_lens_against_float32_hugging_face(hf, ids):
     assert [(d.block, d.subpath) for d in report.divergences] == [(1, "ffn")]
 
 
+@hooked_transformer
 def test_an_ffn_bug_in_block_0_is_not_blamed_on_later_attention(hf, ids):
     """Without the activation keywords, TransformerLens attention ran on its own drifted
     inputs, and a block-0 MLP bug was blamed on attention in blocks 1-3."""
@@ -144,6 +178,7 @@ def test_an_ffn_bug_in_block_0_is_not_blamed_on_later_attention(hf, ids):
     assert later and not any(c.diverged for c in later)
 
 
+@hooked_transformer
 def test_cli_diffs_transformer_lens_against_hugging_face(capsys):
     code, out, err = run_cli(["diff", "samples/hf_families.py:build_gpt2", "samples/transformer_lens.py:build", "-q"], capsys)
     assert (code, out.strip()) == (0, "no divergence"), err
@@ -153,6 +188,7 @@ def test_cli_diffs_transformer_lens_against_hugging_face(capsys):
     assert out.startswith("first divergence: block 1 ffn (blocks.1.mlp)")
 
 
+@hooked_transformer
 def test_a_dump_gets_the_activation_keywords_from_its_stored_layout(tl, ids, tmp_path):
     from blockdiff.dump import DumpReader
     from blockdiff.engine import capture
@@ -173,6 +209,7 @@ def test_a_dump_gets_the_activation_keywords_from_its_stored_layout(tl, ids, tmp
     assert set(paired.hidden_inputs()) == {"primary", "query_input", "key_input", "value_input"}
 
 
+@hooked_transformer
 def test_cli_diffs_hugging_face_against_transformer_lens(capsys, tmp_path, ids):
     # A HookedTransformer's embedding is no nn.Embedding: random tokens are sized by its cfg.d_vocab.
     code, out, err = run_cli(["diff", "samples/transformer_lens.py:build", "samples/hf_families.py:build_gpt2", "-q"], capsys)
@@ -184,3 +221,176 @@ def test_cli_diffs_hugging_face_against_transformer_lens(capsys, tmp_path, ids):
     assert (code, out.strip()) == (0, "no divergence"), err
     code, out, err = run_cli(["arch", "samples/transformer_lens.py:build", "--json"], capsys)
     assert code == 0 and '"calls": "first"' in out and '"broadcast": true' in out, err
+
+
+# -- TransformerLens 4: TransformerBridge ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bridge_gpt2():
+    return bridges.build()
+
+
+@transformer_bridge
+def test_the_bundled_map_names_the_bridge_modules_by_their_transformer_lens_names(bridge_gpt2):
+    layout = resolve(bridge_gpt2)
+    assert layout.hook_map.name == "transformer_bridge"
+    # The bridge registers each wrapped module twice; the layout names it as named_modules() does.
+    assert bridge_gpt2.get_submodule("blocks.2.ln1") is bridge_gpt2.get_submodule("blocks.2._original_component.ln_1")
+    assert layout.outside == [("embed", "embed"), ("embed", "pos_embed"), ("final_norm", "ln_final"), ("head", "unembed")]
+    inner = "blocks.2._original_component"
+    assert layout.blocks[2].subpaths == {
+        "attention": [f"{inner}.attn"], "ffn": [f"{inner}.mlp"], "norm": [f"{inner}.ln_1", f"{inner}.ln_2"]
+    }
+    assert all(not block.unmapped for block in layout.blocks)
+    llama = resolve(bridges.build_llama())
+    assert llama.outside == [("embed", "embed"), ("context", "rotary_emb"), ("final_norm", "ln_final"), ("head", "unembed")]
+    inner = "blocks.1._original_component"
+    assert llama.blocks[1].subpaths == {
+        "attention": [f"{inner}.self_attn"],
+        "ffn": [f"{inner}.mlp"],
+        "norm": [f"{inner}.input_layernorm", f"{inner}.post_attention_layernorm"],
+    }
+    assert all(not block.unmapped for block in llama.blocks)
+
+
+@transformer_bridge
+@pytest.mark.parametrize("family", bridges.FAMILIES)
+@pytest.mark.parametrize("bridge_is", ["candidate", "reference"])
+def test_a_bridge_around_the_same_weights_blames_nothing(family, bridge_is, ids):
+    hf, bridge = bridges.reference(family=family), bridges.build(family=family)
+    report = diff(hf, bridge, ids) if bridge_is == "candidate" else diff(bridge, hf, ids)
+    assert report.tolerance["policy"] == "fixed"
+    assert blamed(report) is None and not report.divergences
+    embeds = ["embed", "embed"] if family == "gpt2" else ["embed", "context"]
+    assert [s.stage for s in report.stages] == [*embeds, "final_norm", "head"]
+    for block in report.blocks:
+        checked = {name for name, result in block.subpaths.items() if result.checks}
+        assert checked == {"attention", "ffn", "norm", "residual"}
+
+
+@transformer_bridge
+@pytest.mark.parametrize("family", bridges.FAMILIES)
+@pytest.mark.parametrize("make", list(bridges.BUGS), ids=lambda make: make.__name__)
+def test_a_bug_in_the_bridge_is_blamed_on_its_block_and_sub_path_only(make, family, ids):
+    report = diff(bridges.reference(family=family), make(family=family, block=1), ids)
+    assert blamed(report) == ("block", 1, bridges.BUGS[make])
+    assert [(d.stage, d.block, d.subpath) for d in report.divergences] == [("block", 1, bridges.BUGS[make])]
+
+
+@transformer_bridge
+@pytest.mark.parametrize("family", ["gemma2", "olmo2", "gpt_neox"])
+def test_bridges_of_other_families_pair_with_their_hugging_face_model(family, ids):
+    """Gemma2's four norms (ln1, ln1_post, ln2, ln2_post), OLMo2's two after their branches,
+    GPT-NeoX's parallel block: nothing unmapped, nothing blamed, a Hugging Face MLP bug the
+    bridge runs blamed there."""
+    from samples import hf_families
+
+    bridge = bridges.wrap(hf_families.build(family=family))
+    assert all(not block.unmapped for block in resolve(bridge).blocks)
+    report = diff(hf_families.build(family=family), bridge, ids)
+    assert blamed(report) is None and not report.divergences
+    report = diff(hf_families.build(family=family), bridges.wrap(hf_families.ffn_bug(family=family, block=1)), ids)
+    assert [(d.stage, d.block, d.subpath) for d in report.divergences] == [("block", 1, "ffn")]
+
+
+@transformer_bridge
+def test_the_bridge_as_the_reference_of_a_buggy_hugging_face_model(bridge_gpt2, ids):
+    from samples import hf_families, hf_llama
+
+    report = diff(bridge_gpt2, hf_families.attention_bug(family="gpt2", block=2), ids)
+    assert [(d.stage, d.block, d.subpath) for d in report.divergences] == [("block", 2, "attention")]
+    report = diff(bridges.build_llama(), hf_llama.residual_dropped(block=0), ids)
+    assert [(d.stage, d.block, d.subpath) for d in report.divergences] == [("block", 0, "residual")]
+
+
+@transformer_bridge
+def test_the_bridge_against_a_from_scratch_gpt2(bridge_gpt2, ids):
+    """Another implementation: nanoGPT-style GPT-2 with the same weights (no hook map
+    written: detected), clean and with block 1's c_proj left untransposed."""
+    from samples import gpt2_port
+
+    report = diff(bridge_gpt2, gpt2_port.port(), ids)
+    assert blamed(report) is None and not report.divergences
+    report = diff(bridge_gpt2, gpt2_port.attn_proj_not_transposed(), ids)
+    assert [(d.stage, d.block, d.subpath) for d in report.divergences] == [("block", 1, "attention")]
+
+
+@transformer_bridge
+def test_bfloat16_bridge_against_float32_hugging_face(ids):
+    """Calibrated floors: the Hugging Face reference's own modules in bfloat16."""
+    hf = bridges.reference()
+    report = diff(hf, bridges.build().to(torch.bfloat16), ids)
+    assert report.tolerance["policy"] == "calibrated"
+    assert blamed(report) is None and not report.divergences
+    report = diff(hf, bridges.ffn_bug().to(torch.bfloat16), ids)
+    assert [(d.stage, d.block, d.subpath) for d in report.divergences] == [("block", 1, "ffn")]
+
+
+@transformer_bridge
+def test_cli_diffs_a_bridge_against_hugging_face(capsys):
+    code, out, err = run_cli(["diff", "samples/hf_families.py:build_gpt2", "samples/transformer_bridge.py:build", "-q"], capsys)
+    assert (code, out.strip()) == (0, "no divergence"), err
+    code, out, err = run_cli(["diff", "samples/hf_families.py:build_gpt2", "samples/transformer_bridge.py:ffn_bug", "-q"], capsys)
+    assert code == 1, err
+    assert out.startswith("first divergence: block 1 ffn (blocks.1._original_component.mlp)")
+
+
+# -- what the bridge needs of blockdiff, with or without TransformerLens --------------------
+
+
+class _Passing(nn.Module):
+    """A module that computes with the module it wraps and passes attribute writes on to
+    it, as TransformerLens 4's bridge components do (``GeneralizedComponent.__setattr__``)."""
+
+    def __init__(self, inner: nn.Linear) -> None:
+        super().__init__()
+        self._original_component = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self._original_component.weight)  # not the wrapped forward
+
+    def __setattr__(self, name: str, value) -> None:
+        inner = self.__dict__.get("_modules", {}).get("_original_component")
+        if not name.startswith("_") and inner is not None and hasattr(inner, name):
+            setattr(inner, name, value)
+            return
+        super().__setattr__(name, value)
+
+
+def test_a_frozen_forward_is_set_on_a_module_that_passes_attributes_on():
+    from blockdiff.hooking import Hooks
+
+    inner = nn.Linear(4, 4, bias=False)
+    wrapper = _Passing(inner)
+    with Hooks() as hooks:
+        hooks.replace_forward(wrapper, lambda previous: lambda *args, **kwargs: "frozen")
+        assert wrapper(torch.zeros(4)) == "frozen"
+        assert "forward" not in inner.__dict__
+    assert "forward" not in wrapper.__dict__ and "forward" not in inner.__dict__
+    assert wrapper(torch.ones(4)).shape == (4,)
+
+
+def test_a_module_registered_twice_is_mapped_by_either_path():
+    from blockdiff.errors import HookMapError
+    from blockdiff.hookmap import apply_map, parse
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self._original_component = nn.Module()
+            self._original_component.norm = nn.LayerNorm(8)
+            self._original_component.mixer = nn.Linear(8, 8)
+            self.ln1, self.attn = self._original_component.norm, self._original_component.mixer
+
+    model = nn.Module()
+    model.embed = nn.Embedding(16, 8)
+    model.blocks = nn.ModuleList([Block(), Block()])
+    text = 'name = "twice"\n[outside]\nembed = "embed"\n[blocks]\npath = "blocks"\n[blocks.subpaths]\n'
+    layout = apply_map(model, parse(text + 'attention = "attn"\nnorm = "ln1"\n', source="twice.toml"))
+    assert layout.blocks[1].subpaths == {
+        "attention": ["blocks.1._original_component.mixer"], "norm": ["blocks.1._original_component.norm"]
+    }
+    assert layout.blocks[1].unmapped == []
+    with pytest.raises(HookMapError, match="'blocks.0.mlp' does not exist"):
+        apply_map(model, parse(text + 'attention = "attn"\nffn = "mlp"\n', source="twice.toml"))
