@@ -1,4 +1,4 @@
-"""TransformerLens 4 ``TransformerBridge`` models around a tiny Hugging Face GPT-2 or Llama,
+"""TransformerLens ``TransformerBridge`` models around a tiny Hugging Face GPT-2 or Llama,
 and one planted bug per sub-path.
 
 TransformerLens 4 removed ``HookedTransformer``: a ``TransformerBridge`` wraps a Hugging Face
@@ -8,7 +8,8 @@ is ``blocks.1._original_component.mlp``). It is built here without the hub, with
 ``build_bridge_from_module`` around :func:`samples.hf_families.build` ``(family="gpt2")`` or
 :func:`samples.hf_llama.build`: the weights are the Hugging Face model's, unprocessed, so
 both compute the same logits. The wrapped model is changed in place: :func:`reference`
-(:func:`samples.transformer_lens.reference`) builds another one from the same seed. Needs ``transformer-lens>=4``.
+(:func:`samples.transformer_lens.reference`) builds another one from the same seed. Needs
+TransformerLens 4 (or 3.9, which has the bridge beside ``HookedTransformer``).
 
     blockdiff diff samples/hf_families.py:build_gpt2 samples/transformer_bridge.py:build
     blockdiff diff samples/hf_families.py:build_gpt2 samples/transformer_bridge.py:ffn_bug

@@ -7,7 +7,8 @@ seed, nothing downloaded. Its state dict goes through TransformerLens' own conve
 (``convert_gpt2_weights``, ``convert_llama_weights``) into a ``HookedTransformer`` loaded
 without any of TransformerLens' weight processing (no folded norms, no centred weights or
 unembedding, no folded value biases), so that both compute the same logits. Needs
-``transformer-lens<4`` (``pip install blockdiff[dev]``).
+TransformerLens 3 (``pip install "transformer-lens<4"``; the ``dev`` extra installs 4, which
+removed ``HookedTransformer``: :mod:`samples.transformer_bridge` is its counterpart).
 
     blockdiff diff samples/hf_families.py:build_gpt2 samples/transformer_lens.py:build
     blockdiff diff samples/hf_families.py:build_gpt2 samples/transformer_lens.py:ffn_bug

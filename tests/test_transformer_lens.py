@@ -1,10 +1,9 @@
-"""TransformerLens against Hugging Face with the same weights, in whichever major version is
+"""TransformerLens against Hugging Face with the same weights, in whichever version is
 installed: TransformerLens 3's ``HookedTransformer`` (the bundled ``transformer_lens`` map:
-activation keywords, ``ln1``'s first call, the broadcast positional embedding) and
-TransformerLens 4's ``TransformerBridge`` (the bundled ``transformer_bridge`` map: the
-TransformerLens names of the Hugging Face modules it wraps). TransformerLens 4 removed
-``HookedTransformer`` and TransformerLens 3 cannot build a bridge around a model, so the
-tests of the other version skip, saying which is installed."""
+activation keywords, ``ln1``'s first call, the broadcast positional embedding) and the
+``TransformerBridge`` of TransformerLens 4 (and 3.9) (the bundled ``transformer_bridge``
+map: the TransformerLens names of the Hugging Face modules it wraps). TransformerLens 4
+removed ``HookedTransformer``: its tests skip there, saying which version is installed."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 import torch
+from packaging.version import Version
 from torch import nn
 
 pytest.importorskip("transformers")
@@ -27,17 +27,16 @@ from samples import transformer_lens as tl_samples  # noqa: E402
 from tests.conftest import blamed, run_cli  # noqa: E402
 
 try:
-    TL_VERSION: str | None = version("transformer-lens")
+    TL_VERSION: Version | None = Version(version("transformer-lens"))
 except PackageNotFoundError:
     TL_VERSION = None
-TL_MAJOR = int(TL_VERSION.split(".")[0]) if TL_VERSION else None
 hooked_transformer = pytest.mark.skipif(
-    TL_MAJOR != 3,
+    TL_VERSION is None or TL_VERSION.major != 3,
     reason=f"HookedTransformer needs TransformerLens 3 (installed: {TL_VERSION or 'none'}; 4 removed it)",
 )
 transformer_bridge = pytest.mark.skipif(
-    TL_MAJOR != 4,
-    reason=f"TransformerBridge around a model needs TransformerLens 4 (installed: {TL_VERSION or 'none'})",
+    TL_VERSION is None or TL_VERSION < Version("3.9"),
+    reason=f"a TransformerBridge around a model needs TransformerLens 3.9 or 4 (installed: {TL_VERSION or 'none'})",
 )
 
 
@@ -223,7 +222,7 @@ def test_cli_diffs_hugging_face_against_transformer_lens(capsys, tmp_path, ids):
     assert code == 0 and '"calls": "first"' in out and '"broadcast": true' in out, err
 
 
-# -- TransformerLens 4: TransformerBridge ---------------------------------------------------
+# -- TransformerLens 4 (and 3.9): TransformerBridge ---------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -325,6 +324,31 @@ def test_bfloat16_bridge_against_float32_hugging_face(ids):
     assert blamed(report) is None and not report.divergences
     report = diff(hf, bridges.ffn_bug().to(torch.bfloat16), ids)
     assert [(d.stage, d.block, d.subpath) for d in report.divergences] == [("block", 1, "ffn")]
+
+
+@hooked_transformer
+@transformer_bridge
+def test_the_bridge_against_hooked_transformer(bridge_gpt2, tl, ids):
+    """TransformerLens 3.9 holds both: the same weights through TransformerLens' weight
+    conversion and through the bridge pair site by site, each map with its own options."""
+    report = diff(tl, bridge_gpt2, ids)
+    assert blamed(report) is None and not report.divergences
+    report = diff(bridge_gpt2, tl_samples.ffn_bug(), ids)
+    assert [(d.stage, d.block, d.subpath) for d in report.divergences] == [("block", 1, "ffn")]
+
+
+@transformer_bridge
+def test_a_dump_of_a_bridge_is_a_reference(bridge_gpt2, ids, tmp_path):
+    from blockdiff.engine import capture
+
+    path = tmp_path / "bridge.h5"
+    capture(bridge_gpt2, ids, path)
+    report = diff(str(path), bridges.reference(), ids)
+    assert blamed(report) is None and not report.divergences
+    report = diff(str(path), bridges.norm_bug(), ids)
+    assert [(d.stage, d.block, d.subpath, d.module) for d in report.divergences] == [
+        ("block", 1, "norm", "blocks.1._original_component.ln_2")
+    ]
 
 
 @transformer_bridge
