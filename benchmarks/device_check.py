@@ -370,6 +370,62 @@ def written_after_hook(ctx: Context) -> tuple[bool | None, str, str]:
         f"{len(sync) - len(unequal)}/{len(sync)} sites equal bit for bit; largest rel_l2 against the CPU {worst:.2e}"
 
 
+@check("11 graph taps (blockdiff.taps): a forward's sites copied by its CUDA graph, record / forward on 58M and ~1B")
+def graph_taps(ctx: Context) -> tuple[bool | None, str, str]:
+    """The opt-in CUDA-graph capture: each model's graph-tapped record against its eager
+    capture (every tensor within 1e-6), and its cost over the eager forward (goal <= 1.10)."""
+    skipped = ctx.skip_without_cuda("records equal to the eager capture; record / forward <= 1.10 on both")
+    if skipped:
+        return skipped
+    from benchmarks.overhead import build
+    from blockdiff import resolve
+    from blockdiff.capture import record
+    from blockdiff.site import iter_tensors
+    from blockdiff.store import MemoryStore
+    from blockdiff.taps import GraphTaps
+
+    found, ok = [], True
+    for name, sizes in (("58M", dict(hidden=512, intermediate=1376, vocab=32000)),
+                        ("~1B", dict(hidden=2048, intermediate=5632, vocab=32000))):
+        blocks = 8 if name == "58M" else 16
+        model = build(blocks, **sizes).to("cuda").eval()
+        ids = torch.randint(0, sizes["vocab"], (1, 256), device="cuda")
+        layout = resolve(model)
+        try:
+            taps = GraphTaps(model, layout, ids)
+        except Exception as exc:  # a model that cannot be captured as a graph: say why
+            ok = False
+            found.append(f"{name}: not capturable: {type(exc).__name__}: {str(exc)[:160]}")
+            continue
+        eager = MemoryStore()
+        record(model, layout, eager, ids)
+        tapped = taps.record(ids)
+        worst = 0.0
+        for a, b in zip(eager.sites(), tapped.sites()):
+            for x, y in zip(iter_tensors((a.args, a.kwargs, a.output)), iter_tensors((b.args, b.kwargs, b.output))):
+                if x.is_floating_point():
+                    worst = max(worst, float((x.float() - y.float()).norm() / x.float().norm().clamp_min(1e-30)))
+
+        def forward(model: torch.nn.Module = model) -> None:
+            with torch.no_grad():
+                model(ids)
+            torch.cuda.synchronize()
+
+        def replayed(taps: GraphTaps = taps) -> None:
+            taps.record(ids)
+            torch.cuda.synchronize()
+
+        forward(), replayed()
+        plain = min(_timed(forward) for _ in range(5))
+        tapped_time = min(_timed(replayed) for _ in range(5))
+        ratio = tapped_time / plain
+        ok &= ratio <= 1.10 and worst <= 1e-6 and len(eager.sites()) == len(tapped.sites())
+        found.append(f"{name} {ratio:.2f} ({taps.nbytes / 2**20:.0f} MiB a record, largest rel_l2 to eager {worst:.1e})")
+        del model, taps
+        torch.cuda.empty_cache()
+    return ok, "records equal to the eager capture; record / forward <= 1.10 on both", "; ".join(found)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU; skip what needs CUDA itself")
