@@ -42,7 +42,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -129,23 +129,30 @@ for _ref, _cand, _expected in HF_CASES:
     check(f"1 cpu-fp32 vs DEVICE-bf16 {_cand.removeprefix('samples/')}")(_cross_device(_ref, _cand, _expected))
 
 
+def _launch_bound_models() -> Iterator[tuple[str, torch.nn.Module, torch.Tensor, Any]]:
+    """The 58M and ~1B Llamas on CUDA, one at a time (name, model, 256 token ids, layout),
+    each freed before the next is built."""
+    from benchmarks.overhead import build
+    from blockdiff import resolve
+
+    for name, blocks, sizes in (("58M", 8, dict(hidden=512, intermediate=1376, vocab=32000)),
+                                ("~1B", 16, dict(hidden=2048, intermediate=5632, vocab=32000))):
+        model = build(blocks, **sizes).to("cuda").eval()
+        yield name, model, torch.randint(0, sizes["vocab"], (1, 256), device="cuda"), resolve(model)
+        del model
+        torch.cuda.empty_cache()
+
+
 @check("2 capture overhead on CUDA / plain CUDA forward (58M, ~1B)")
 def capture_overhead(ctx: Context) -> tuple[bool | None, str, str]:
     skipped = ctx.skip_without_cuda("≤ 1.10 on both models")
     if skipped:
         return skipped
-    from benchmarks.overhead import build
-    from blockdiff import resolve
     from blockdiff.capture import record
     from blockdiff.store import MemoryStore
 
     found, ok = [], True
-    for name, sizes in (("58M", dict(hidden=512, intermediate=1376, vocab=32000)),
-                        ("~1B", dict(hidden=2048, intermediate=5632, vocab=32000))):
-        blocks = 8 if name == "58M" else 16
-        model = build(blocks, **sizes).to("cuda").eval()
-        ids = torch.randint(0, sizes["vocab"], (1, 256), device="cuda")
-        layout = resolve(model)
+    for name, model, ids, layout in _launch_bound_models():
 
         def forward(model: torch.nn.Module = model) -> None:
             with torch.no_grad():
@@ -162,8 +169,7 @@ def capture_overhead(ctx: Context) -> tuple[bool | None, str, str]:
         ratio = cap / plain
         ok &= ratio <= 1.10
         found.append(f"{name} {ratio:.2f}")
-        del model
-        torch.cuda.empty_cache()
+    from benchmarks.overhead import build
     from blockdiff import diff
 
     reference = build(8, hidden=512, intermediate=1376, vocab=32000).eval()
@@ -377,20 +383,13 @@ def graph_taps(ctx: Context) -> tuple[bool | None, str, str]:
     skipped = ctx.skip_without_cuda("records equal to the eager capture; record / forward <= 1.10 on both")
     if skipped:
         return skipped
-    from benchmarks.overhead import build
-    from blockdiff import resolve
     from blockdiff.capture import record
     from blockdiff.site import iter_tensors
     from blockdiff.store import MemoryStore
     from blockdiff.taps import GraphTaps
 
     found, ok = [], True
-    for name, sizes in (("58M", dict(hidden=512, intermediate=1376, vocab=32000)),
-                        ("~1B", dict(hidden=2048, intermediate=5632, vocab=32000))):
-        blocks = 8 if name == "58M" else 16
-        model = build(blocks, **sizes).to("cuda").eval()
-        ids = torch.randint(0, sizes["vocab"], (1, 256), device="cuda")
-        layout = resolve(model)
+    for name, model, ids, layout in _launch_bound_models():
         try:
             taps = GraphTaps(model, layout, ids)
         except Exception as exc:  # a model that cannot be captured as a graph: say why
@@ -421,8 +420,7 @@ def graph_taps(ctx: Context) -> tuple[bool | None, str, str]:
         ratio = tapped_time / plain
         ok &= ratio <= 1.10 and worst <= 1e-6 and len(eager.sites()) == len(tapped.sites())
         found.append(f"{name} {ratio:.2f} ({taps.nbytes / 2**20:.0f} MiB a record, largest rel_l2 to eager {worst:.1e})")
-        del model, taps
-        torch.cuda.empty_cache()
+        del model, taps  # the generator frees the model's memory before the next
     return ok, "records equal to the eager capture; record / forward <= 1.10 on both", "; ".join(found)
 
 
