@@ -424,6 +424,56 @@ def graph_taps(ctx: Context) -> tuple[bool | None, str, str]:
     return ok, "records equal to the eager capture; record / forward <= 1.10 on both", "; ".join(found)
 
 
+@check("12 real size: a ~3B Llama, cpu-fp32 vs DEVICE-bf16: clean, and a norm weight planted in a late block")
+def real_size(ctx: Context) -> tuple[bool, str, str]:
+    """A Llama-shaped model of ~3.0B parameters (hidden 3072, 28 blocks, GQA 24/8, trained-
+    looking random weights, built once) on the CPU in float32 against its copy on the GPU in
+    bfloat16: nothing blamed; the same with block 26's second norm weight scaled by 1.5:
+    that block's norm. Wall time, peak host memory and peak GPU memory printed. The dry run
+    builds the same shape at a toy size (hidden 64, 6 blocks)."""
+    import copy
+    import time
+
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    from blockdiff import diff
+    from blockdiff.diskweights import peak_memory
+    from blockdiff.weights import trained_looking_
+
+    sizes = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                 num_key_value_heads=8, vocab_size=32000) if ctx.cuda else \
+        dict(hidden_size=64, intermediate_size=160, num_hidden_layers=6, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256)
+    late = sizes["num_hidden_layers"] - 2
+    started = time.perf_counter()
+    config = transformers.LlamaConfig(max_position_embeddings=1024, **sizes)
+    with no_init_weights():
+        reference = transformers.LlamaForCausalLM(config)
+    trained_looking_(reference, seed=0).eval()
+    params = sum(p.numel() for p in reference.parameters())
+    candidate = copy.deepcopy(reference).to(ctx.device, torch.bfloat16).eval()
+    built = time.perf_counter() - started
+    ids = torch.randint(0, sizes["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(0))
+    found, times = [], []
+    for planted in (False, True):
+        if planted:
+            with torch.no_grad():
+                candidate.model.layers[late].post_attention_layernorm.weight.mul_(1.5)
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        report = diff(reference, candidate, ids)
+        times.append(time.perf_counter() - started)
+        found.append(blamed(report.to_dict()))
+    gpu = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if ctx.cuda else ""
+    expected = ["nothing blamed", f"block {late} norm"]
+    return found == expected, "; ".join(expected), (
+        f"{'; '.join(found)} ({params / 1e9:.2f}B parameters; built in {built:.0f} s, diffs {times[0]:.0f} s and "
+        f"{times[1]:.0f} s; peak host memory {peak_memory() / 2**30:.1f} GiB{gpu})"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU; skip what needs CUDA itself")
