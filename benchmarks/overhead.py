@@ -20,8 +20,10 @@ vocab 32000; batch 1, seq 256, float32, CPU, 2 threads) it prints each figure as
    median of three processes per size with the range, and the RSS the run holds from its
    first judged block to its last
 
-and a start-up line: ``blockdiff diff`` on the same model given as a ``config.json``, from
-the command to its first printed line, beside the imports alone. ``--real-size`` prints
+and two start-up lines: ``blockdiff --help``, a usage error and the README's sample diff
+(to its first printed line), each against its goal; ``blockdiff diff`` on the same model
+given as a ``config.json``, from the command to its first printed line, beside the imports
+alone. ``--real-size`` prints
 figures 1, 4 and 5 on a Llama of 501M parameters instead (built once, its build time apart;
 not in a full run: it takes minutes more than the rest).
 
@@ -38,7 +40,7 @@ with CRC-32C checksums against the same dump written with ``checksums=False``.
     python benchmarks/overhead.py --device cuda   # capture overhead of a CUDA model (figures 1, 2)
     python benchmarks/overhead.py --only 5        # one figure (2: streamed capture, 3: dump writes, 5: the mixed-precision diff, 6: memory)
     python benchmarks/overhead.py --real-size     # figures 1, 4, 5 on a 501M Llama
-    python benchmarks/overhead.py --startup       # the start-up line alone
+    python benchmarks/overhead.py --startup       # the start-up lines alone
     python benchmarks/overhead.py --only 5 --emulate-avx2   # figure 5 here and as on a CPU without bfloat16 units
 """
 
@@ -496,11 +498,12 @@ def real_size(seq: int, *, repeat: int = 5) -> str:
     ))
 
 
-def first_line(command: list[str]) -> tuple[float, float]:
+def first_line(command: list[str], *, cwd: Path | None = None) -> tuple[float, float]:
     """Seconds from starting ``command`` to its first line on stdout, and to its end."""
     start = time.perf_counter()
     proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"}
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"},
+        cwd=cwd,
     )
     assert proc.stdout is not None
     proc.stdout.readline()
@@ -510,7 +513,39 @@ def first_line(command: list[str]) -> tuple[float, float]:
     return first, time.perf_counter() - start
 
 
+# The start-up of the command itself, each as a user starts it from a clone's root (what it
+# is timed to, and its goal in seconds): the help and a usage error (to the end: neither
+# needs torch), and the README's sample diff to the first line it prints.
+CLI_STARTS = {
+    "blockdiff --help": (["--help"], "end", 0.5),
+    "a usage error": (["diff", "--no-such-option"], "end", 0.5),
+    "the README's sample diff": (["diff", "samples/tinylm.py:build", "samples/bugs.py:gelu_for_silu"], "first", 3.0),
+}
+
+
+def cli_startup(*, runs: int = 5) -> str:
+    """The ``CLI_STARTS`` commands (``python -m blockdiff``), in turns, ``runs`` times: for
+    each the median seconds with the range, against its goal."""
+    times: dict[str, list[float]] = {name: [] for name in CLI_STARTS}
+    for _ in range(runs):
+        for name, (args, until, _) in CLI_STARTS.items():
+            first, end = first_line([sys.executable, "-m", "blockdiff", *args], cwd=ROOT)
+            times[name].append(first if until == "first" else end)
+    parts = [
+        f"{name} {statistics.median(times[name]):.2f} s ({min(times[name]):.2f}-{max(times[name]):.2f}; "
+        f"{'to its first line, ' if until == 'first' else ''}goal <= {goal} s)"
+        for name, (_, until, goal) in CLI_STARTS.items()
+    ]
+    return f"start-up of the command: {', '.join(parts)} (median of {runs} runs, range)"
+
+
 def startup(sizes: dict, seq: int, *, runs: int = 3) -> str:
+    """The command's own start-up (:func:`cli_startup`), then the diff of the figures'
+    model given as a config.json (:func:`config_startup`)."""
+    return f"{cli_startup()}\n{config_startup(sizes, seq, runs=runs)}"
+
+
+def config_startup(sizes: dict, seq: int, *, runs: int = 3) -> str:
     """The time from the command to the first printed line of ``blockdiff diff`` on the
     model of figures 1-5 given as a ``config.json`` (both sides built from it), the median
     of ``runs`` with the range; beside it, in the same turns, a process that only imports
@@ -548,7 +583,7 @@ def setup(doc: str, *, repeat: int) -> tuple[dict, int, int, torch.Tensor, bool]
     parser.add_argument("--device", default="cpu", help="overhead.py: measure capture on this device (cuda)")
     parser.add_argument("--only", type=int, choices=(2, 3, 5, 6), help="overhead.py: measure this figure alone")
     parser.add_argument("--real-size", action="store_true", help="overhead.py: figures 1, 4, 5 on a 501M Llama alone")
-    parser.add_argument("--startup", action="store_true", help="overhead.py: the start-up line alone")
+    parser.add_argument("--startup", action="store_true", help="overhead.py: the start-up lines alone")
     parser.add_argument(
         "--emulate-avx2", action="store_true",
         help="overhead.py: figure 5 again in a process limited to AVX2 (a CPU without bfloat16 units)",

@@ -5,8 +5,11 @@ found, 2 usage or input error (one line on stderr, and for a usage error a secon
 naming the ``--help`` to read; the traceback only with ``--debug``), 3 an internal error of
 blockdiff (one line naming the file that holds the traceback), 130 interrupted.
 
-A diff's stdout carries the report alone; where it wrote or replaced files (``--json``,
-``--plot``, ``--html``, ``--save-dumps``) is said on stderr, one line each (not with ``-q``).
+Stdout carries what a command shows (a report, a dump's summary, a layout) and nothing
+else; the files a command wrote or replaced (``capture``'s dump, ``export``'s file, a
+diff's ``--json``, ``--plot``, ``--html``, ``--save-dumps``) are named on stderr, one line
+each (not with ``-q``). Piped, stdout is ``COLUMNS`` wide, else 80, its lines without
+trailing spaces; ``--help`` and usage errors are answered before torch is imported.
 """
 
 from __future__ import annotations
@@ -104,11 +107,36 @@ def _said(message: str) -> None:
 
 
 def _console() -> Console:
-    """Rich console for stdout: the terminal's width, or the width ``COLUMNS`` names; when
-    stdout is not a terminal and ``COLUMNS`` is not set, 120 (wide enough for the tables)."""
-    if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit():
-        return Console()
-    return Console(width=120)
+    """Rich console for stdout: the width ``COLUMNS`` names, else the terminal's, else 80
+    (a pipe, a file); its lines without trailing spaces."""
+    columns = os.environ.get("COLUMNS", "")
+    width = int(columns) if columns.isdigit() and int(columns) > 0 else None if sys.stdout.isatty() else 80
+    return Console(file=_Trimmed(sys.stdout), width=width)
+
+
+class _Trimmed:
+    """A text stream that writes each line without its trailing spaces (rich pads a
+    table's cells and wrapped text out to the console's width). A line not yet ended is
+    held until its end, or written as it is when the stream is flushed."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._pending = (self._pending + text).split("\n")
+        if lines:
+            self._stream.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self._stream.write(self._pending)
+            self._pending = ""
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: the stream's
+        return getattr(self._stream, name)
 
 
 def _size_option(value: str | None, param: click.Parameter) -> int | None:
@@ -131,6 +159,15 @@ def _parse_tolerances(values: tuple[str, ...]) -> dict[str, float]:
         return dict(Tolerance.parse_override(item) for item in values)
     except InputError as exc:
         raise click.BadParameter(str(exc), param_hint="--tol") from None
+
+
+class _Running(click.Command):
+    """A command that runs models: its progress bar is up while it runs, once its
+    arguments are parsed (``--help`` and usage errors import nothing of torch)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _progress_bar():
+            return super().invoke(ctx)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -193,7 +230,7 @@ def _decode_option(help_text: str) -> Callable:
     """``--decode N``, as ``diff`` and ``capture`` take it."""
     return click.option("--decode", type=click.IntRange(min=1), default=None, metavar="N", help=help_text)
 
-@cli.command("diff")
+@cli.command("diff", cls=_Running, short_help="Localize the first divergence of CANDIDATE from REFERENCE.")
 @click.argument("reference")
 @click.argument("candidate", required=False)
 @click.option("--ref-device", default="cpu", show_default=True, help="Device of the reference (cpu, cuda, cuda:N, auto).")
@@ -320,7 +357,10 @@ def diff_command(
     A sharded CANDIDATE (tensor, sequence, expert or pipeline parallel) runs under a
     launcher: every rank runs blockdiff, rank 0 reports (docs/sharded.md).
 
-    Exit code 0: no divergence; 1: divergence; 2: usage or input error.
+    Exit code 0: no divergence; 1: divergence; 2: usage or input error, or an
+    error raised by the models' code; 3: an internal error of blockdiff (the line
+    names the file holding the traceback). The report goes to stdout; the files
+    written are named on stderr.
 
     \b
     Examples:
@@ -454,7 +494,7 @@ def _emit(
     sys.exit(EXIT_DIVERGED if report.diverged else 0)
 
 
-@cli.command("report")
+@cli.command("report", short_help="Show a saved JSON report, or write it as a PNG or HTML.")
 @click.argument("report_path", metavar="REPORT.json")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the PNG (needs matplotlib).")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write the self-contained HTML report.")
@@ -489,7 +529,7 @@ def report_command(report_path: str, plot_path: str | None, html_path: str | Non
     _pictures(data, plot_path=plot_path, html_path=html_path)
 
 
-@cli.command("invariance")
+@cli.command("invariance", cls=_Running, short_help="Find where a row of a batch differs from the row alone.")
 @click.argument("model")
 @click.option("--batch", type=click.IntRange(min=2), default=8, show_default=True, help="Rows in the batch (random token ids).")
 @click.option("--seq", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per row (random token ids).")
@@ -525,9 +565,12 @@ def invariance_command(
     \b
     Examples:
       blockdiff invariance samples/tinylm.py:build
-      blockdiff invariance samples/invariance_bugs.py:matmul_split_by_rows --batch 4
-      blockdiff invariance samples/hf_llama.py:build --batch 4 --seq 12 --padding left
-      blockdiff invariance mypkg.models:build --dtype bfloat16 --batch 32 --tol 1e-3
+      blockdiff invariance samples/invariance_bugs.py:matmul_split_by_rows \\
+        --batch 4
+      blockdiff invariance samples/hf_llama.py:build --batch 4 --seq 12 \\
+        --padding left
+      blockdiff invariance mypkg.models:build --dtype bfloat16 --batch 32 \\
+        --tol 1e-3
     """
     from . import hookmap
     from .dtypes import parse_dtype
@@ -555,7 +598,7 @@ def _numbers(text: str | None, option: str) -> list[int] | None:
         raise click.BadParameter(f"expected whole numbers separated by commas, found {text!r}", param_hint=option) from None
 
 
-@cli.command("capture")
+@cli.command("capture", cls=_Running)
 @click.argument("model")
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="The dump to write (HDF5).")
 @click.option("--device", default="cpu", show_default=True, help="Device to run on (cpu, cuda, cuda:N, auto).")
@@ -635,10 +678,10 @@ def capture_command(
     )
     if made is not None:
         click.echo(f"inputs: {made}", err=True)
-    click.echo(f"wrote {out}")
+    _said(f"wrote {out}")
 
 
-@cli.command("inspect")
+@cli.command("inspect", short_help="Show what DUMP holds: metadata, sites, shapes, statistics.")
 @click.argument("dump")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--verify", is_flag=True, help="Check every tensor's checksum and report the result.")
@@ -669,7 +712,7 @@ def inspect_command(dump: str, as_json: bool, verify: bool) -> None:
         render_summary(summary, _console())
 
 
-@cli.command("export")
+@cli.command("export", short_help="Export every tensor of DUMP to a safetensors file.")
 @click.argument("dump")
 @click.option("--to", "fmt", type=click.Choice(["safetensors"]), default="safetensors", show_default=True, help="Format to write.")
 @click.argument("out")
@@ -686,7 +729,7 @@ def export_command(dump: str, fmt: str, out: str) -> None:
     from .export import export_safetensors, manifest_path
 
     manifest = export_safetensors(dump, out)
-    click.echo(f"wrote {out} ({len(manifest['tensors'])} tensors) and {manifest_path(out).name}")
+    _said(f"wrote {out} ({len(manifest['tensors'])} tensors) and {manifest_path(out).name}")
 
 
 @cli.command("arch")
@@ -785,14 +828,15 @@ def main(argv: list[str] | None = None) -> Any:
     _state["debug"] = bool(os.environ.get("BLOCKDIFF_DEBUG"))  # --debug sets it per run
     if not _state["debug"]:
         _quiet_third_parties()
-    from . import distributed
+    if "WORLD_SIZE" in os.environ:  # a launcher's; distributed imports torch, not needed else
+        from . import distributed
 
-    try:
-        launched = distributed.launched()
-    except ValueError as exc:  # a launcher's variables that are not numbers
-        _fail(f"cannot join the launched run: {exc}", exc)
-    if launched:
-        _one_rank(argv)
+        try:
+            launched = distributed.launched()
+        except ValueError as exc:  # a launcher's variables that are not numbers
+            _fail(f"cannot join the launched run: {exc}", exc)
+        if launched:
+            _one_rank(argv)
     _main(argv)
 
 
@@ -845,8 +889,7 @@ def _silenced() -> None:
 
 def _main(argv: list[str] | None) -> Any:
     try:
-        with _progress_bar():
-            return cli.main(args=argv, prog_name="blockdiff", standalone_mode=False)
+        return cli.main(args=argv, prog_name="blockdiff", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:

@@ -201,14 +201,19 @@ def group_for(t: torch.Tensor) -> Any:
 # -- recorded whole -----------------------------------------------------------------------
 
 
+# The modules of the kinds of tensor recorded whole, and their names there: torch imports
+# none of them itself, and no such tensor exists before its module is imported (which
+# takes most of a second: a run that holds none never imports them).
+_DISTRIBUTED_KINDS = (("torch.distributed.tensor", "DTensor"), ("torch.distributed._functional_collectives", "AsyncCollectiveTensor"))
+
+
 def is_distributed(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``DTensor`` or an ``AsyncCollectiveTensor``."""
-    if "torch.distributed" not in sys.modules:
-        return False
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, (DTensor, AsyncCollectiveTensor))
+    kinds = tuple(
+        kind for module, name in _DISTRIBUTED_KINDS
+        if (kind := getattr(sys.modules.get(module), name, None)) is not None
+    )
+    return bool(kinds) and isinstance(t, kinds)
 
 
 def whole(t: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:

@@ -80,14 +80,15 @@ def _layernorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * h.to(dtype)
 
 
-def _residual_dropped_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                              use_cache=False, position_embeddings=None, **kwargs):
+def _residual_dropped_forward(self, hidden_states, attention_mask=None, position_ids=None, use_cache=False,
+                              position_embeddings=None, **kwargs):
+    # The cache goes on in kwargs under the name the caller gave it: `cache` in transformers
+    # 5, `past_key_values` before (naming one while the caller passes the other warns).
     h = self.input_layernorm(hidden_states)
     h, _ = self.self_attn(
         hidden_states=h,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
         use_cache=use_cache,
         position_embeddings=position_embeddings,
         **kwargs,

@@ -307,7 +307,7 @@ def test_a_decode_dump_holds_every_step_as_schema_5_and_a_forward_dump_stays_sch
         assert f.attrs["schema_version"] == 4
     # Through the CLI, and shown by `inspect` step by step.
     code, out, err = run_cli(["capture", LLAMA, "--out", str(tmp_path / "d.h5"), "--decode", "2", "--seq", "8"], capsys)
-    assert code == 0 and f"wrote {tmp_path / 'd.h5'}" in out, err
+    assert code == 0 and f"wrote {tmp_path / 'd.h5'}" in err, err
     code, out, err = run_cli(["inspect", str(tmp_path / "d.h5")], capsys)
     assert code == 0 and "decode: the prompt (8 tokens), then 2 steps" in out, err
     from blockdiff.export import export_safetensors

@@ -149,7 +149,8 @@ def test_bart_ffn_bug_is_blamed_on_its_ffn(block, dtype):
     assert len(report.divergences) == 1
 
 
-def test_arch_shows_each_router_and_its_format(capsys):
+def test_arch_shows_each_router_and_its_format(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")  # the table wide enough for a router's cell on one line
     code, out, err = run_cli(["arch", "samples/hf_moe.py:build_deepseek_v3"], capsys)
     assert code == 0, err
     assert out.count("router mlp.gate (topk)") == 2  # block 0 is dense

@@ -176,7 +176,7 @@ def _python_first(root: Path) -> str:
 
 
 def _environment(first: str = "") -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # the width pipes get, 120
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # the width pipes get, 80
     # `blockdiff` and `python` as this Python's: the README's commands, this install.
     env["PATH"] = os.pathsep.join(p for p in (first or str(Path(sys.executable).parent), env.get("PATH", "")) if p)
     env.update(NO_COLOR="1", OMP_NUM_THREADS="1")

@@ -100,7 +100,7 @@ def test_cli_capture_replay_inspect_export(tmp_path, capsys):
     os.chdir(ROOT)
     ref = tmp_path / "ref.h5"
     code, out, err = run_cli(["capture", "samples/tinylm.py:build", "--out", str(ref), "--compress", "lzf"], capsys)
-    assert ref.is_file() and "wrote" in out
+    assert ref.is_file() and err.strip() == f"wrote {ref}" and out == ""
     code, out, _ = run_cli(["diff", str(ref), "samples/bugs.py:attention_scale", "--cand-dtype", "bfloat16"], capsys)
     assert code == 1 and "First divergence: block 1 attention" in out
     code, out, _ = run_cli(["inspect", str(ref), "--verify"], capsys)
