@@ -30,6 +30,10 @@ not in a full run: it takes minutes more than the rest).
 7. a decode diff of 32 steps / 32-step generation on both sides (``benchmarks/decode.py``,
    goal <= 4), and its cost per step at 16, 32, 64 steps (goal: linear)
 8. a backward diff / forward and backward of both sides (``benchmarks/backward.py``, goal <= 4)
+9. what a site costs on a dispatch-bound model (``benchmarks/per_site.py``: a tiny HF Llama
+   whose forward is Python and dispatch, as a small CUDA forward is kernel launches):
+   capture / forward (goal <= 1.15) and microseconds a site (goal <= 10), beside empty
+   hooks registered once and for each forward
 
 and, when transformers is installed, HF's ``model_addition_debugger_context`` on the same
 model for comparison. Dump checksums are measured too: dump write and read throughput
@@ -807,18 +811,18 @@ def main() -> None:
 
 
 def executions(quick: bool) -> None:
-    """Figures 7 and 8, the decode and backward diffs, by their own benchmarks (each in a
+    """Figures 7 and 8, the decode and backward diffs, and figure 9, a site's cost, by their own benchmarks (each in a
     process of its own, so that neither's memory or threads weigh on the other), each as
     it runs alone: after the disk's backlog of the figures before is written (the
     13 GB figure 3 writes), figure 8 the best of its default 5 runs (of 3, its
     other classes read 3.74-4.01 in full runs where alone they read 3.40-3.73)."""
     here = Path(__file__).resolve().parent
-    for figure, script, args in (("7. decode", "decode.py", []), ("8. backward", "backward.py", [])):
+    for figure, script, args in (("7. decode", "decode.py", []), ("8. backward", "backward.py", []), ("9. a site", "per_site.py", [])):
         written_back()
         done = subprocess.run(
             [sys.executable, str(here / script), *(["--quick"] if quick else args)], capture_output=True, text=True, timeout=1800
         )
-        lines = [line for line in done.stdout.splitlines() if "ratio" in line or "per step" in line]
+        lines = [line for line in done.stdout.splitlines() if any(w in line for w in ("ratio", "per step", "x forward", "sites,"))]
         if done.returncode != 0 or not lines:
             print(f"{figure} ({script}): not measured (exit {done.returncode}) {done.stderr.strip()[-300:]}")
             continue

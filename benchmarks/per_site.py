@@ -1,6 +1,6 @@
-"""What a site costs on a dispatch-bound model (issue 57's figure 9, measured alone for now).
+"""What a site costs on a dispatch-bound model: figure 9 of ``benchmarks/overhead.py``.
 
-    python benchmarks/per_site.py
+    python benchmarks/per_site.py            # --quick: fewer rounds, a smoke run
 
 A tiny Hugging Face Llama (hidden 64, 8 blocks, 8 tokens, one thread): a forward of ~3 ms
 made of Python and dispatch, as a small CUDA forward is made of kernel launches. Measured
@@ -32,8 +32,9 @@ from blockdiff.store import MemoryStore  # noqa: E402
 from samples import hf_llama  # noqa: E402
 
 
-def main() -> None:
+def main(quick: bool = False) -> None:
     torch.set_num_threads(1)
+    rounds, k = (3, 10) if quick else (7, 40)
     model = hf_llama.build(num_hidden_layers=8).eval()
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     layout = resolve(model)
@@ -63,7 +64,7 @@ def main() -> None:
     def capture() -> None:
         record(model, layout, MemoryStore(), ids)
 
-    def timed(fn, k: int = 40) -> float:
+    def timed(fn, k: int = k) -> float:
         times = []
         for _ in range(k):
             started = time.perf_counter()
@@ -78,7 +79,7 @@ def main() -> None:
     for handle in once:
         handle.remove()
     runs: dict[str, list[float]] = {"forward": [], "hooks each forward": [], "capture": []}
-    for _ in range(7):  # interleaved: the machine's drift falls on every line alike
+    for _ in range(rounds):  # interleaved: the machine's drift falls on every line alike
         runs["forward"].append(timed(forward))
         runs["hooks each forward"].append(timed(hooks_each_forward))
         runs["capture"].append(timed(capture))
@@ -93,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(quick="--quick" in sys.argv[1:])
