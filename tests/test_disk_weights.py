@@ -64,7 +64,9 @@ def _without_run_facts(report: Report) -> dict:
     """The report's dict but for what a diff under a budget adds (its note on what it read)
     and when it was made."""
     data = json.loads(json.dumps(report.to_dict()))
-    data["notes"] = [n for n in data["notes"] if not n.startswith("weights read from disk")]
+    kept = [code != "disk-weights" for code in data["note_codes"]]
+    data["notes"] = [n for n, keep in zip(data["notes"], kept) if keep]
+    data["note_codes"] = [c for c, keep in zip(data["note_codes"], kept) if keep]
     del data["created"]
     return data
 
@@ -94,7 +96,7 @@ def test_a_diff_read_from_disk_reports_what_the_diff_in_memory_reports(checkpoin
         whole = run(checkpoints[reference], checkpoints[candidate], IDS, options=Options(**extra))
     read = run(checkpoints[reference], checkpoints[candidate], IDS, options=Options(max_memory=BUDGET, **extra))
     assert _without_run_facts(read) == _without_run_facts(whole)
-    (said,) = [n for n in read.notes if n.startswith("weights read from disk")]
+    (said,) = [n for n in read.notes if n.code == "disk-weights"]
     assert "max_memory 4.0 MiB" in said and "peak resident memory" in said
     blamed = None if read.first_divergence is None else (read.first_divergence.block, read.first_divergence.subpath)
     assert blamed == {
@@ -161,7 +163,7 @@ def test_a_factory_opts_in_with_a_meta_model_naming_its_checkpoint(checkpoints):
 def test_a_model_with_its_weights_is_held_whole_and_said_so(checkpoints):
     report = run(checkpoints["llama"], hf_llama.build, IDS, options=Options(max_memory=200 << 10))
     assert report.first_divergence is None
-    (said,) = [n for n in report.notes if n.startswith("weights read from disk")]
+    (said,) = [n for n in report.notes if n.code == "disk-weights"]
     whole = sum(p.numel() * 4 for p in hf_llama.build().parameters()) / 1024
     assert f"(the reference's model.layers.0 144.5 KiB); the candidate is held whole, {whole:.1f} KiB, over the budget" in said
 
