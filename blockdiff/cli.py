@@ -234,9 +234,11 @@ def _decode_option(help_text: str) -> Callable:
 @click.argument("reference")
 @click.argument("candidate", required=False)
 @click.option("--ref-device", default="cpu", show_default=True, help="Device of the reference (cpu, cuda, cuda:N, auto).")
-@click.option("--ref-dtype", default="float32", show_default=True, help="Dtype of the reference.")
+@click.option("--ref-dtype", default=None,
+              help="Dtype of the reference [default: a checkpoint directory's own, else float32].")
 @click.option("--cand-device", default=None, help="Device of the candidate [default: the reference's].")
-@click.option("--cand-dtype", default=None, help="Dtype of the candidate [default: the reference's].")
+@click.option("--cand-dtype", default=None,
+              help="Dtype of the candidate [default: a checkpoint directory's own, else the reference's].")
 @_apply(model_options)
 @click.option("--hooks", "hooks_path", type=click.Path(dir_okay=False), help="Hook map TOML for both sides (default: found by class name).")
 @click.option("--ref-hooks", type=click.Path(dir_okay=False), help="Hook map TOML for the reference only.")
@@ -302,7 +304,7 @@ def diff_command(
     reference: str,
     candidate: str | None,
     ref_device: str,
-    ref_dtype: str,
+    ref_dtype: str | None,
     cand_device: str | None,
     cand_dtype: str | None,
     batch: int,
@@ -390,7 +392,7 @@ def diff_command(
     """
     from . import engine, hookmap
     from .dtypes import parse_dtype
-    from .loading import parse_device
+    from .loading import parse_device, side_dtypes
     from .tolerance import Tolerance
 
     overrides = _parse_tolerances(tols)
@@ -402,9 +404,11 @@ def diff_command(
         raise click.BadParameter("capacity factors must be positive numbers", param_hint="--capacity-factor")
     if hooks_path and (ref_hooks or cand_hooks):
         raise click.UsageError("--hooks applies to both sides; do not combine it with --ref-hooks/--cand-hooks")
-    r_device, r_dtype = parse_device(ref_device), parse_dtype(ref_dtype)
+    r_device = parse_device(ref_device)
     c_device = parse_device(cand_device) if cand_device else r_device
-    c_dtype = parse_dtype(cand_dtype) if cand_dtype else r_dtype
+    r_dtype, c_dtype = side_dtypes(  # a checkpoint directory runs in its own dtype unless asked
+        reference, candidate, (parse_dtype(ref_dtype) if ref_dtype else None, parse_dtype(cand_dtype) if cand_dtype else None)
+    )
 
     # --save-dumps writes these two; the ones there already are replaced, and said so.
     kept = [os.path.join(save_dumps, f"{name}.h5") for name in ("reference", "candidate")] if save_dumps else []

@@ -7,7 +7,10 @@ precision. When a module diverges, its parameters are paired with the reference
 module's (:func:`paired_parameters`: by name, else by order among those of one shape),
 and each that differs is explained where it can be (:func:`explain`) — in the report's
 notes and on the check (``details["conversion"]``), and in the headline
-(docs/cli.md, "Ports and converted weights").
+(docs/cli.md, "Ports and converted weights"). Weights that are only the reference's rounded
+through a lower precision (a checkpoint saved in bfloat16 run in float32) are precision, not
+a mistake: they are said once for the whole report, in one note naming the dtype that
+judges them as precision, and kept on each check apart (``details["rounded_through"]``).
 """
 
 from __future__ import annotations
@@ -203,14 +206,19 @@ def fused_parts(
     return None
 
 
+ROUNDED = "is the reference's rounded through "
+
+
 def diagnose(ref: Side, cand: Side, report: Report) -> None:
     """For each divergence in ``report`` on a module both sides hold live, its
     parameters against the reference's: each one that differs, and what it is instead
     where :func:`explain` can tell, on the check (``details["conversion"]``) and in the
-    notes."""
+    notes; weights only rounded through a lower precision, on the check
+    (``details["rounded_through"]``: the dtype and the weights) and in one note for all."""
     if not (ref.live and cand.live) or ref.lockstep or cand.lockstep:
         return  # a sharded candidate's weights are shards: each rank would say something else
     ref_model, cand_model = _module(ref, ""), _module(cand, "")
+    rounded: dict[str, dict[str, list[str]]] = {}  # dtype -> divergent module -> its weights rounded through it
     for divergence in report.divergences:
         if divergence.stage == "block" and divergence.subpath not in ("attention", "ffn", "norm"):
             continue  # the glue, the block as a whole, drift: no one module's weights
@@ -220,13 +228,37 @@ def diagnose(ref: Side, cand: Side, report: Report) -> None:
             continue
         with held(ref_model, ref_path or ""), held(cand_model, divergence.module):
             # Weights read from disk: those of the unit (block) holding the module, on each side.
-            _diagnose(divergence, ref_path or "", ref_module, cand_module, ref_model, report)
+            _diagnose(divergence, ref_path or "", ref_module, cand_module, ref_model, report, rounded)
+    if rounded:
+        report.notes.append(Note("rounded-weights", _rounded_note(rounded, cand.meta.get("dtype"))))
 
 
-def _diagnose(divergence: Divergence, ref_path: str, ref_module: nn.Module, cand_module: nn.Module, ref_model: nn.Module | None, report: Report) -> None:
-    """:func:`diagnose`'s work for one divergence, the weights of both modules in memory."""
+def _rounded_note(rounded: dict[str, dict[str, list[str]]], dtype: object) -> str:
+    """The one note for every weight of the candidate that is the reference's rounded
+    through a lower precision (``rounded``: by that dtype, the divergent modules and their
+    weights), naming the option
+    that judges it as precision: the candidate run in that dtype is the reference's code
+    at that precision, which its noise floor measures."""
+    parts = []
+    for low, modules in rounded.items():
+        names = [name for weights in modules.values() for name in weights]
+        parts.append(
+            f"the candidate's weights are the reference's rounded through {low} ({len(names)} "
+            f"weight{'s' if len(names) != 1 else ''} of {len(modules)} divergent module{'s' if len(modules) != 1 else ''}), "
+            f"and it runs in {dtype}: run it in {low} (--cand-dtype {low}) to judge that as precision"
+        )
+    return "; ".join(parts)
+
+
+def _diagnose(
+    divergence: Divergence, ref_path: str, ref_module: nn.Module, cand_module: nn.Module, ref_model: nn.Module | None,
+    report: Report, rounded: dict[str, dict[str, list[str]]],
+) -> None:
+    """:func:`diagnose`'s work for one divergence, the weights of both modules in memory;
+    weights only rounded are added to ``rounded`` (by dtype), not to the notes."""
     everything = {n: p for n, p in weights(ref_model).items() if _plain(p)} if ref_model is not None else {}
     found = []
+    mine_rounded: dict[str, list[str]] = {}
     ref_params, cand_params = weights(ref_module), weights(cand_module)
     for mine, theirs in paired_parameters(ref_module, cand_module):
         got, expected = cand_params[mine], ref_params[theirs]
@@ -237,6 +269,11 @@ def _diagnose(divergence: Divergence, ref_path: str, ref_module: nn.Module, cand
         if _same(got, expected):
             continue
         why = explain(got, expected, {n: p for n, p in everything.items() if n != f"{ref_path}.{theirs}"})
+        if why is not None and why.startswith(ROUNDED):
+            low = why.removeprefix(ROUNDED)
+            rounded.setdefault(low, {}).setdefault(divergence.module, []).append(f"{divergence.module}.{mine}")
+            mine_rounded.setdefault(low, []).append(f"{divergence.module}.{mine}")
+            continue
         found.append(f"{divergence.module}.{mine} differs from the reference's {ref_path}.{theirs}" + (f": it {why}" if why else ""))
     paired = {mine for mine, _ in paired_parameters(ref_module, cand_module)}
     for mine, got in cand_params.items():
@@ -244,12 +281,15 @@ def _diagnose(divergence: Divergence, ref_path: str, ref_module: nn.Module, cand
             fused = fused_parts(got, {n: p for n, p in ref_params.items() if _plain(p)}, others=everything)
             if fused is not None:
                 found.append(f"{divergence.module}.{mine} {fused}")
-    if not found:
+    if not found and not mine_rounded:
         return
     details = dict(divergence.check.details or {})
-    details["conversion"] = found
+    if found:
+        details["conversion"] = found
+        report.notes.append(Note("conversion", f"{divergence.where}: its weights — " + "; ".join(found)))
+    if mine_rounded:
+        details["rounded_through"] = [{"dtype": low, "weights": names} for low, names in mine_rounded.items()]
     divergence.check.details = details
-    report.notes.append(Note("conversion", f"{divergence.where}: its weights — " + "; ".join(found)))
 
 
 def reference_path(ref: Side, cand: Side, stage: str, block: int | None, subpath: str | None, module: str) -> str | None:

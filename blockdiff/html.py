@@ -37,6 +37,7 @@ from .view import (
     Column,
     MoeRow,
     View,
+    dtype_said,
     fmt,
     ratio_colour,
 )
@@ -80,24 +81,41 @@ def _text_colour(background: str) -> str:
     return "#fff" if 0.299 * r + 0.587 * g + 0.114 * b < 140 else "#000"
 
 
-def _cell(cell: Cell, *, blank: bool = False) -> str:
-    """One table cell: the local error, its symbol and ratio, coloured by the ratio."""
+def _number(value: float | None) -> str:
+    """A number for a ``data-`` attribute: as Python writes it, every digit kept."""
+    return "" if value is None else repr(float(value))
+
+
+def _cell(cell: Cell, *, blank: bool = False, name: str = "local error") -> str:
+    """One table cell: the value (local error, or ``name`` drift: class ``drift``), its
+    symbol and ratio to its own threshold, coloured by the ratio; ``data-value`` and
+    ``data-threshold`` hold both numbers whole. A value with no threshold (drift not
+    judged) stands uncoloured."""
     if blank:
         return "<td></td>"
+    kinds = ["drift"] if name == "drift" else []
     if cell.ratio is None:
+        if cell.value is not None:
+            return f'<td{_classes(kinds)} data-value="{_number(cell.value)}">{_e(cell.text)}</td>'
         text = "not needed" if cell.status == "not_needed" else "absent"
-        return f'<td class="none" title="{_e(text)}"><span class="sym">{SYMBOLS["none"]}</span></td>'
+        return f'<td{_classes([*kinds, "none"])} title="{_e(text)}"><span class="sym">{SYMBOLS["none"]}</span></td>'
     background = ratio_colour(cell.ratio)
     style = f"background:{background};color:{_text_colour(background)}"
+    what = f"{cell.module}: {cell.what}; " if cell.module else ""
     title = (
-        f"{cell.module}: {cell.what}; {cell.metric} {fmt(cell.value, '.3g')}, "
+        f"{what}{name} {cell.metric} {fmt(cell.value, '.3g')}, "
         f"threshold {fmt(cell.threshold, '.3g')}, ratio {fmt(cell.ratio, '.3g')}"
     )
-    classes = ' class="diverged"' if cell.diverged else ""
+    classes = _classes([*kinds, "diverged"] if cell.diverged else kinds)
     return (
-        f'<td{classes} style="{style}" title="{_e(title)}">{_e(cell.text)} '
+        f'<td{classes} style="{style}" title="{_e(title)}" data-value="{_number(cell.value)}" '
+        f'data-threshold="{_number(cell.threshold)}">{_e(cell.text)} '
         f'<span class="sym">{SYMBOLS[cell.level]}</span><br><small>{_e(fmt(cell.ratio, ".3g"))}x</small></td>'
     )
+
+
+def _classes(names: list[str]) -> str:
+    return f' class="{" ".join(names)}"' if names else ""
 
 
 def _heat_table(cols: list[Column], *, name: str = "heatmap") -> str:
@@ -105,10 +123,8 @@ def _heat_table(cols: list[Column], *, name: str = "heatmap") -> str:
     rows = []
     for col in cols:
         cells = "".join(_cell(col.cells[row], blank=col.stage != "block" and row in SUBPATHS) for row in ROWS)
-        rows.append(
-            f'<tr><td class="name">{_e(col.name)} <small class="meta">{_e(col.module)}</small></td>'
-            f"{cells}<td>{_e(fmt(col.drift))}</td></tr>"
-        )
+        drift = _cell(col.drift_cell, name="drift")
+        rows.append(f'<tr><td class="name">{_e(col.name)} <small class="meta">{_e(col.module)}</small></td>{cells}{drift}</tr>')
     return (
         f'<table class="heat" id="{name}">\n'
         f'<thead><tr><th class="name">site</th>{head}<th>drift</th></tr></thead>\n'
@@ -121,7 +137,7 @@ def _side_table(report: Report) -> str:
     head = "".join(f"<th>{_e(k.replace('_', ' '))}</th>" for k in keys)
     rows = []
     for side, entry in (("reference", report.reference), ("candidate", report.candidate)):
-        cells = "".join(f'<td class="name">{_e(entry.get(k, ""))}</td>' for k in keys)
+        cells = "".join(f'<td class="name">{_e(dtype_said(entry) if k == "dtype" else entry.get(k, ""))}</td>' for k in keys)
         rows.append(f'<tr><th class="name">{side}</th>{cells}</tr>')
     return f'<table class="sides"><thead><tr><th></th>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
@@ -177,6 +193,18 @@ def _steps_table(report: Report) -> str:
         )
         rows.append(f"<tr><th>step {_e(summary['step'])}</th>{cells}<td>{_e(where)}</td></tr>")
     return f'<table id="steps"><tr><th></th>{head}<th>first divergence</th></tr>{"".join(rows)}</table>'
+
+
+def _sparkline(view: View) -> str:
+    """The drift sparkline, each bar coloured by drift's ratio to its own threshold where
+    it was judged."""
+    bars = view.drift_sparkline
+    if not view.drift_judged:
+        return _e(bars)
+    return "".join(
+        _e(bar) if column.drift_ratio is None else f'<span style="color:{ratio_colour(column.drift_ratio)}">{_e(bar)}</span>'
+        for bar, column in zip(bars, view.blocks)
+    )
 
 
 def _embedded_json(data: dict[str, Any]) -> str:
@@ -246,7 +274,9 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
         "<h2>Local error per sub-path, whole block or stage; drift</h2>",
         (f'<p class="legend">Cells: local error (rel L2), symbol, and ratio to the threshold '
         f"(colour, log scale: green below, red above). {_e(LEGEND)}. Hover a cell for its module "
-        "and threshold. Drift: the free-running candidate against the reference.</p>"),
+        "and threshold. Drift: the free-running candidate against the reference, with its ratio to "
+        "drift's own threshold (the reference's own free run at the candidate's precision where precisions differ, "
+        "else the fixed one) and coloured by it.</p>"),
         _heat_table(view.columns),
     ]
     if report.backward is not None:
@@ -260,8 +290,7 @@ def document(report: Report | dict[str, Any], *, image: bool = True) -> str:
         scale = f" {view.drift_scale}" if view.drift_scale else ""
         parts += [
             "<h2>Drift per block</h2>",
-            (f'<p><span class="spark" id="drift-sparkline">{_e(view.drift_sparkline)}</span>'
-            f'<span class="meta">{_e(scale)}</span></p>'),
+            f'<p><span class="spark" id="drift-sparkline">{_sparkline(view)}</span><span class="meta">{_e(scale)}</span></p>',
         ]
     if image:
         parts.append(_image(view))

@@ -10,6 +10,11 @@ A spec may also be a local Hugging Face model: a directory written by ``save_pre
 ``config.json`` (the model built from the config, with trained-looking weights drawn from
 :data:`CONFIG_SEED`, so both sides built from one config get the same weights: the second
 side is a copy of the first, bit for bit what building it again gives, without the drawing).
+
+A checkpoint directory runs in its own dtype (its ``config.json``'s ``dtype``, or
+``torch_dtype`` as older transformers wrote it) unless a dtype is asked for
+(:func:`side_dtypes`); the model built from it says which dtype it was saved in
+(:data:`~blockdiff.dtypes.CHECKPOINT_DTYPE`), and the report's header with it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import json
 import sys
 import weakref
 from pathlib import Path
@@ -28,7 +34,7 @@ import torch
 from torch import nn
 
 from .diskweights import ATTRIBUTE, attach, empty_model
-from .dtypes import dtype_name
+from .dtypes import CHECKPOINT_DTYPE, DTYPES, dtype_name
 from .errors import InputError, ModelSpecError, OptionsError
 from .inputs import model_device, model_dtype
 from .weights import trained_looking_
@@ -275,6 +281,37 @@ def _from_config(path: Path, spec: str) -> nn.Module:
     return model
 
 
+def checkpoint_dtype(spec: object) -> torch.dtype | None:
+    """The dtype a checkpoint directory was saved in: its ``config.json``'s ``dtype``
+    (``torch_dtype`` as transformers 4 wrote it), when that names a floating dtype
+    blockdiff runs models in; ``None`` for any other spec, or a config naming none.
+
+    >>> checkpoint_dtype("samples/tinylm.py:build") is None
+    True
+    """
+    if not isinstance(spec, (str, Path)) or not Path(spec).is_dir():
+        return None
+    try:
+        config = json.loads((Path(spec) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return DTYPES.get(name.lower().removeprefix("torch.")) if isinstance(name, str) else None
+
+
+def side_dtypes(
+    reference: object, candidate: object, asked: tuple[torch.dtype | None, torch.dtype | None]
+) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes the two sides run in, from the dtypes ``asked`` (``None``: not asked):
+    the reference's, else its checkpoint's own (:func:`checkpoint_dtype`), else float32;
+    the candidate's, else its own checkpoint's when it is one given apart, else the
+    reference's. So a directory saved in bfloat16 runs in bfloat16 against a float32 one,
+    and ``--cand-dtype`` alone still compares precisions of one model."""
+    ref = asked[0] or checkpoint_dtype(reference) or torch.float32
+    own = checkpoint_dtype(candidate) if candidate is not None and candidate != reference else None
+    return ref, asked[1] or own or ref
+
+
 def _import_file(path: Path, spec: str):
     """Import a .py file; inside a package (``__init__.py`` beside it) by its dotted name,
     so its relative imports work."""
@@ -344,6 +381,9 @@ def build_model(
             ) from exc
     if not isinstance(model, nn.Module):
         return model
+    saved = checkpoint_dtype(spec)
+    if saved is not None:  # the report's header says it, cast or not (modelinfo.describe)
+        setattr(model, CHECKPOINT_DTYPE, dtype_name(saved))
     if reads_from_disk(model):
         if not from_disk:
             raise unread(spec, model)

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from . import distributed
-from .dtypes import dtype_name
+from .dtypes import CHECKPOINT_DTYPE, dtype_name
 from .hookmap import Layout
 from .inputs import model_device, model_dtype
 
 
 def describe(model: nn.Module, layout: Layout, label: str | None) -> dict[str, Any]:
-    """How a report names a live model (with ``quantization`` where it can be seen)."""
+    """How a report names a live model (with ``quantization`` where it can be seen, and
+    ``checkpoint_dtype`` for a model built from a checkpoint directory that names its dtype)."""
     found = {
         "model": label or type(model).__name__,
         "class": type(model).__name__,
@@ -29,6 +30,9 @@ def describe(model: nn.Module, layout: Layout, label: str | None) -> dict[str, A
     quantized = quantization(model)
     if quantized:
         found["quantization"] = quantized
+    saved = getattr(model, CHECKPOINT_DTYPE, None)
+    if isinstance(saved, str):
+        found["checkpoint_dtype"] = saved
     return found
 
 

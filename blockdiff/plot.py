@@ -10,7 +10,11 @@ so a reader (or a test) can tell them apart:
    colour scale centred on the threshold (:func:`~.view.ratio_colour`'s scale, which the
    HTML tables share); divergent cells marked ``X``, the first divergence annotated.
 2. ``drift per block``: the free-running candidate's rel L2 at every site, log y, against
-   the whole-block (or stage) threshold.
+   drift's own threshold there (``drift_check.threshold`` in the JSON: what the reference's
+   own free run at the candidate's precision allows; the dashed line, ``gid``
+   ``drift-threshold``), each point coloured by its ratio to it on the heatmap's scale.
+   Two dumps compared: the whole check's threshold, which judges that drift; a report
+   older than drift checks draws no line.
 3. ``expert load`` (MoE reports only): per MoE block, each expert's share of the routing
    assignments on the reference and the candidate side.
 
@@ -27,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import BlockdiffError
 from .report import Divergence, Report
-from .view import RATIO_COLOURS, RATIO_RANGE, ROWS, WHOLE, Column, MoeRow, View
+from .view import RATIO_COLOURS, RATIO_RANGE, ROWS, WHOLE, Column, MoeRow, View, dtype_said, ratio_colour
 from .vocab import SUBPATHS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,7 +42,11 @@ __all__ = ["figure", "require_matplotlib", "write_png"]
 MISSING_MATPLOTLIB = "--plot needs matplotlib: pip install 'blockdiff[plot]'"
 
 
-def _summary(first: Divergence | None) -> str:
+def _summary(report: Report) -> str:
+    """The verdict: the forward's, or with a backward both (the PNG draws the forward)."""
+    if report.backward is not None:
+        return "verdict: " + report.verdict()
+    first = report.first_divergence
     return "first divergence: " + first.headline() if first else "No divergence: every local error is within tolerance."
 
 
@@ -50,7 +58,7 @@ def _side(side: dict[str, Any], limit: int = 60) -> str:
     model = str(side.get("model", "?"))
     if len(model) > limit:
         model = "…" + model[-(limit - 1) :]
-    return f"{model} ({side.get('device', '?')}, {side.get('dtype', '?')})"
+    return f"{model} ({side.get('device', '?')}, {dtype_said(side)})"
 
 
 def require_matplotlib() -> None:
@@ -94,7 +102,7 @@ def figure(report: Report | dict[str, Any] | View) -> Figure:
     fig = Figure(figsize=(width, sum(heights) + 0.7), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(heights), 1, gridspec_kw={"height_ratios": heights})
-    title = [_title(view.report), _summary(view.first)]
+    title = [_title(view.report), _summary(view.report)]
     # About 14 characters of 10-point text per inch; long specs and headlines wrap.
     fig.suptitle("\n".join(textwrap.fill(line, int(width * 14)) for line in title), fontsize=10)
     spot = _first_spot(view)
@@ -193,24 +201,30 @@ def _rectangle(x: float, y: float, **style: Any) -> Any:
 def _drift_panel(ax: Any, cols: list[Column], spot: tuple[int, int] | None) -> None:
     xs = range(len(cols))
     drift = [c.drift for c in cols]
-    thresholds = [c.threshold for c in cols]
+    thresholds = [c.drift_threshold for c in cols]
     positive = [v for v in (*drift, *thresholds) if v is not None and math.isfinite(v) and v > 0]
     bottom = min(positive) / 3 if positive else 1e-8
     top = max(positive) * 3 if positive else 1.0
     ax.set_yscale("log")
     ax.set_ylim(bottom, top)
-    ax.step(
-        list(xs),
-        [t if t is not None and t > 0 else math.nan for t in thresholds],
-        where="mid",
-        color="grey",
-        ls="--",
-        lw=1,
-        label="local-error threshold (whole block or stage)",
-    )
+    if any(t is not None for t in thresholds):
+        ax.step(
+            list(xs),
+            [t if t is not None and t > 0 else math.nan for t in thresholds],
+            where="mid",
+            color="grey",
+            ls="--",
+            lw=1,
+            label="drift's own threshold (drift_check)",
+            gid="drift-threshold",
+        )
     finite = [(x, v) for x, v in zip(xs, drift) if v is not None and math.isfinite(v) and v > 0]
     if finite:
-        ax.plot(*zip(*finite), "o-", color="tab:blue", ms=4, lw=1.2, label="drift (rel L2)")
+        ax.plot(*zip(*finite), "-", color="tab:blue", lw=1.2, label="drift (rel L2); colour: drift / threshold")
+        colours = [
+            "tab:blue" if cols[x].drift_ratio is None else ratio_colour(cols[x].drift_ratio) for x, _ in finite
+        ]
+        ax.scatter(*zip(*finite), c=colours, s=30, edgecolors="black", linewidths=0.6, zorder=3, gid="drift")
     zeros = [x for x, v in zip(xs, drift) if v == 0]
     if zeros:
         ax.plot(zeros, [bottom] * len(zeros), "v", color="tab:blue", mfc="none", clip_on=False, label="drift 0 (exact)")
@@ -223,7 +237,7 @@ def _drift_panel(ax: Any, cols: list[Column], spot: tuple[int, int] | None) -> N
     ax.set_title("drift per block", loc="left", fontsize=10)
     ax.set_ylabel("rel L2 (log)", fontsize=8)
     ax.grid(True, which="major", axis="y", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", framealpha=0.9)
+    ax.legend(fontsize=7, loc="best", framealpha=0.9)
 
 
 def _expert_load(ax: Any, moe: list[MoeRow]) -> None:
@@ -281,7 +295,7 @@ def write_png(report: Report | dict[str, Any] | View, path: str | Path) -> None:
         dpi=110,
         metadata={
             "Title": _title(view.report),
-            "Description": _summary(view.first),
+            "Description": _summary(view.report),
             "Software": f"blockdiff {view.report.version}".strip(),
         },
     )

@@ -1,10 +1,12 @@
 """Render: a report for people, in the terminal (rich).
 
-Fixed order: what could not be computed (notes), then the first divergence in one line,
-then a compact heatmap (sub-paths × blocks, one symbol per check by its ratio to the
-threshold) with the drift sparkline under it, then the table of local errors (blocks ×
-sub-paths, coloured by ratio to threshold) with drift per block, then what to do next
-(``advice``).
+Fixed order: what could not be computed (notes), then the verdict in one line (with a
+backward, both verdicts in that one line), then a compact heatmap (sub-paths × blocks,
+one symbol per check by its ratio to the threshold) with the drift sparkline under it
+(drift over its own threshold, on a fixed scale), then the table of local errors (blocks
+× sub-paths, coloured by ratio to threshold) with drift per block (coloured by its ratio
+to its own threshold), then what to do next (``advice``); a backward's heatmap and table
+after it, laid out by the same functions.
 
 Every line fits the console's width (80 columns and down to 60). Tables never cut a
 number: a console too narrow for a table (80 columns) gets it with narrower gaps, and a
@@ -47,6 +49,7 @@ from .view import (
     Cell,
     MoeRow,
     View,
+    dtype_said,
     fmt,
     level,
 )
@@ -84,10 +87,14 @@ def _cell(cell: Cell) -> Text:
     return Text(cell.text + mark, style=_LEVEL_STYLE[level(cell.ratio, cell.diverged)])
 
 
-def _drift_cell(value: float | None) -> Text:
-    if value is None:
+def _drift_cell(cell: Cell) -> Text:
+    """Drift: coloured by its ratio to drift's own threshold where it was judged, ``!``
+    where it exceeds it; plain where it was not (two dumps compared)."""
+    if cell.value is None:
         return Text("—", style="dim")
-    return Text(fmt(value))
+    if cell.ratio is None:
+        return Text(cell.text)
+    return _cell(cell)
 
 
 # Breaks no line inside it: the spaces of a `quoted command` and of "(cpu, float32)".
@@ -171,7 +178,7 @@ def _header(view: View, width: int) -> list[Text]:
     def details(meta: dict) -> tuple[str, str]:
         ranks = f", {meta['ranks']} ranks" if meta.get("ranks") else ""
         quantized = f"; {meta['quantization']}" if meta.get("quantization") else ""
-        return f"({meta['device']}{ranks}, {meta['dtype']}", f"{quantized})"
+        return f"({meta['device']}{ranks}, {dtype_said(meta)}", f"{quantized})"
 
     def side(meta: dict) -> str:
         where, quantized = details(meta)
@@ -218,10 +225,8 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
     for note in view.report.notes:
         _say(console, "note: ", note, head_style="yellow", indent=6)
     first = view.first
-    if first is None:
-        _say(console, "No divergence: ", "every local error is within tolerance.", head_style="bold green")
-    else:
-        _say(console, "First divergence: ", first.headline(), head_style="bold red", indent=4)
+    _headline(view.report, console)
+    if first is not None:
         if first.subpath == UNATTRIBUTED:
             position = view.column_of(first)
             unmapped = [] if position is None else view.columns[position].unmapped
@@ -263,23 +268,46 @@ def render(report: Report | dict[str, Any], console: Console | None = None, *, a
         _backward(view.report, console)
 
 
+def _headline(report: Report, console: Console) -> None:
+    """The verdict, first: the forward's; with a backward (``--backward``) one line naming
+    both, ``Verdict: forward: no divergence; backward: block 1 residual …`` (the HTML's
+    words), continued under a hanging indent."""
+    if report.backward is None:
+        first = report.first_divergence
+        if first is None:
+            _say(console, "No divergence: ", "every local error is within tolerance.", head_style="bold green")
+        else:
+            _say(console, "First divergence: ", first.headline(), head_style="bold red", indent=4)
+    elif report.diverged:
+        _say(console, "Verdict: ", report.verdict(), head_style="bold red", indent=4)
+    else:
+        _say(console, "No divergence: ", "every local error is within tolerance, forward and backward.",
+             head_style="bold green")
+
+
 def _backward(report: Report, console: Console) -> None:
-    """After the forward's report, the backward's (``--backward``): its heatmap (blocks as
-    the forward's, read head to embedding), its divergences, both verdicts in one line."""
+    """After the forward's report, the backward's (``--backward``), laid out as the
+    forward's (blocks as the forward's, read head to embedding): notes, heatmap with its
+    drift sparkline, the table of its numbers, its divergences, the first one's drill-down."""
     backward = report.backward
     assert backward is not None
-    console.print("Backward (gradients, judged from the head to the embedding):", highlight=False)
+    view = View.of(backward)
+    console.print(Text("Backward (gradients, judged from the head to the embedding):", style="bold"), highlight=False)
     for note in backward.notes[1:]:  # the first is the forward report's already
-        console.print(f"note: {note}", highlight=False, markup=False)
-    render_heatmap(backward, console)
-    if len(backward.divergences) > 1:
-        console.print(f"{len(backward.divergences)} divergent gradients:", highlight=False)
-        for divergence in backward.divergences:
-            console.print(f"  - {named_headline(divergence)}", highlight=False, markup=False)
-    console.print(report.verdict(), highlight=False, markup=False)
-    drill = None if backward.first_divergence is None else drill_down(backward.first_divergence)
-    if drill is not None:
-        console.print(f"  {drill}", highlight=False, markup=False)
+        _say(console, "note: ", note, head_style="yellow", indent=6)
+    first = view.first
+    if first is not None:
+        _say(console, "First divergent gradient: ", named_headline(first), head_style="bold red", indent=4)
+        drill = drill_down(first)
+        if drill is not None:
+            _say(console, "  ", drill, indent=4)
+    _heatmap(view, console)
+    for table in _error_tables(view, console.width, measured="gradients' local error"):
+        console.print(table)
+    if len(view.divergences) > 1:
+        console.print(f"{len(view.divergences)} divergent gradients:", highlight=False)
+        for divergence in view.divergences:
+            _say(console, "  - ", named_headline(divergence), indent=4)
 
 
 # Left-aligned columns of the tables; the rest hold numbers, right-aligned.
@@ -323,19 +351,20 @@ def _fitted(
     return tables
 
 
-def _error_tables(view: View, width: int) -> list[Table]:
-    """The local errors (blocks and stages × sub-paths, whole block or stage) and drift."""
+def _error_tables(view: View, width: int, *, measured: str | None = None) -> list[Table]:
+    """The local errors (blocks and stages × sub-paths, whole block or stage) and drift
+    (its cell coloured by its ratio to drift's own threshold)."""
     rows = []
     # Columns in execution order: an encoder's final norm comes before the decoder's blocks.
     for column in view.columns:
         row = {name: _cell(column.cells[name]) for name in ROWS}
-        row.update(site=column.name, drift=_drift_cell(column.drift))
+        row.update(site=column.name, drift=_drift_cell(column.drift_cell))
         if column.stage != "block":
             row.update((name, Text("")) for name in SUBPATHS)  # a stage has its own check only
         elif view.multi_stack:
             row["site"] += f" ({column.stack})"
         rows.append(row)
-    title = f"{view.measured} (rel L2) per sub-path, whole block or stage; drift of the free-running candidate"
+    title = f"{measured or view.measured} (rel L2) per sub-path, whole block or stage; drift of the free-running candidate"
     return _fitted(title, ("site",), (*ROWS, "drift"), rows, width)
 
 
@@ -358,7 +387,8 @@ def _symbol(line: Text, cell: Cell) -> None:
 def render_heatmap(report: Report | dict[str, Any] | View, console: Console) -> None:
     """Print the compact heatmap: one row per sub-path (and the whole block), one column
     per block, a symbol per check (:data:`~.view.SYMBOLS`, coloured when the console
-    allows), then the drift sparkline aligned with the columns and the stages outside blocks.
+    allows), then the drift sparkline aligned with the columns (drift over its own
+    threshold on a fixed scale: :func:`~.view.ratio_sparkline`) and the stages outside blocks.
 
     Example (no colour)::
 
@@ -369,7 +399,7 @@ def render_heatmap(report: Report | dict[str, Any] | View, console: Console) -> 
           norm       · · · ·
           residual   · · · ·
           whole      · X · ·
-          drift      ▁ █ █ █   rel L2 0 … 0.066, log scale
+          drift      ▁ █ █ █   drift / threshold 0 … 5.8e+02, over 1: ▅ to █
           stages     embed ·   context ·   final_norm ·   head ·
 
     Args:
@@ -423,8 +453,8 @@ def _heatmap(view: View, console: Console) -> None:
                     drift.append(scale, style="dim")
                     scale = ""
                 console.print(drift, highlight=False)
-        if scale:
-            console.print(Text("  " + " " * label + scale.strip(), style="dim"), highlight=False)
+        if scale:  # under the sparkline, wrapped under itself
+            _say(console, "  " + " " * label, scale.strip(), style="dim", indent=2 + label)
     if view.stages:
         entries = []
         for stage in view.stages:

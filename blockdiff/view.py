@@ -15,8 +15,11 @@ through :meth:`Report.from_dict <.report.Report.from_dict>` first) into:
 
 What a cell says, its heatmap level and symbol (:func:`level`, :data:`SYMBOLS`), the
 drift sparkline, the colour of a ratio (:func:`ratio_colour`, for the PNG and the HTML)
-and how a drop rate reads are decided here; the renderers only lay them out. Needs
-neither rich nor matplotlib.
+and how a drop rate reads are decided here; the renderers only lay them out. Drift is
+shown against its own threshold (``drift_check`` in the JSON: the reference's own free
+run at the candidate's precision), never against a local error's: :attr:`Column.drift_cell`
+is drift's cell as the local errors have theirs, and the sparkline draws drift over that
+threshold on a fixed scale (:func:`ratio_sparkline`). Needs neither rich nor matplotlib.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .compare import from_json_number
+from .compare import Metrics, from_json_number
 from .report import Check, Divergence, Report, SubpathResult, times
 from .vocab import SUBPATHS
 
@@ -44,10 +47,12 @@ __all__ = [
     "MoeRow",
     "View",
     "drop_rate",
+    "dtype_said",
     "fmt",
     "level",
     "not_checked",
     "ratio_colour",
+    "ratio_sparkline",
     "sparkline",
 ]
 
@@ -59,6 +64,11 @@ ROWS = (*SUBPATHS, WHOLE)
 SYMBOLS = {"low": "·", "near": "o", "diverged": "X", "none": "-"}
 LEGEND = "· below 0.5   o 0.5 to 1   X diverged   - not needed, absent or not judged"
 SPARKS = "▁▂▃▄▅▆▇█"
+# The drift sparkline's fixed scale, drift over its threshold: the upper bound of each bar
+# but the last. At or below the threshold the lower half (0.5 to 1 is the heatmap's "o"),
+# above it the upper half: precision noise draws low in every run, and a bug high.
+SPARK_RATIOS = (0.01, 0.1, 0.5, 1.0, 3.0, 10.0, 100.0)
+SPARK_LEGEND = "over 1: ▅ to █"
 
 # Colour scale of the ratio to threshold: fixed, so pictures of different runs compare.
 # Green below the threshold, paling towards it; orange to dark red above it. The threshold
@@ -146,6 +156,21 @@ def level(ratio: float | None, diverged: bool, status: str = "checked") -> str:
     return "near" if ratio >= 0.5 else "low"
 
 
+def dtype_said(side: dict[str, Any]) -> str:
+    """A side's dtype as the header says it: with the dtype its checkpoint was saved in,
+    where it was built from one that names it (``checkpoint_dtype``).
+
+    >>> dtype_said({"dtype": "bfloat16", "checkpoint_dtype": "bfloat16"}), dtype_said({"dtype": "float32"})
+    ('bfloat16 as saved', 'float32')
+    >>> dtype_said({"dtype": "float32", "checkpoint_dtype": "bfloat16"})
+    'float32, saved in bfloat16'
+    """
+    dtype, saved = str(side.get("dtype", "?")), side.get("checkpoint_dtype")
+    if saved is None:
+        return dtype
+    return f"{dtype} as saved" if saved == dtype else f"{dtype}, saved in {saved}"
+
+
 def fmt(value: float | None, spec: str = ".2e") -> str:
     """A number as the tables show it: ``spec``, ``inf``/``nan`` as words, ``""`` for none.
 
@@ -187,6 +212,29 @@ def sparkline(values: Sequence[float | None], *, decades: float = 2.0) -> str:
         else:
             step = (1 - (top - math.log10(v)) / span) * (len(SPARKS) - 1)
             out.append(SPARKS[min(len(SPARKS) - 1, max(0, round(step)))])
+    return "".join(out)
+
+
+def ratio_sparkline(ratios: Sequence[float | None]) -> str:
+    """One bar per ratio of a value to its threshold, on a fixed scale (:data:`SPARK_RATIOS`):
+    ``▁`` below 0.01, ``▂`` below 0.1, ``▃`` below 0.5, ``▄`` up to the threshold, then
+    ``▅`` above it, ``▆`` above 3, ``▇`` above 10, ``█`` above 100. The same ratio draws the
+    same bar in every run: noise well within its threshold stays low however flat or steep
+    it is. A non-finite ratio draws as ``!``, a missing one as ``-``.
+
+    >>> ratio_sparkline([0.0, 0.28, 0.32, 0.7, 1.0, 1.5, 566.0, None, float("nan")])
+    '▁▃▃▄▄▅█-!'
+    """
+    out = []
+    for ratio in ratios:
+        if ratio is None:
+            out.append("-")
+        elif math.isnan(ratio):
+            out.append("!")
+        else:
+            below = [bound for bound in SPARK_RATIOS[:3] if ratio < bound]
+            above = [bound for bound in SPARK_RATIOS[3:] if ratio > bound]
+            out.append(SPARKS[3 - len(below) if below else 3 + len(above)])
     return "".join(out)
 
 
@@ -277,6 +325,19 @@ class Column:
     drift: float | None = None
     threshold: float | None = None  # of the whole-block / stage check
     unmapped: list[str] = field(default_factory=list)  # a block's modules in no sub-path
+    # Drift judged against its own threshold (``drift_check``; two dumps compared: the
+    # whole check, which is drift); a report older than drift checks has its value only.
+    drift_cell: Cell = field(default_factory=lambda: Cell(status="absent"))
+
+    @property
+    def drift_threshold(self) -> float | None:
+        """The threshold drift is judged against here (``drift_check.threshold``), or ``None``."""
+        return self.drift_cell.threshold
+
+    @property
+    def drift_ratio(self) -> float | None:
+        """Drift over its own threshold, or ``None`` where it was not judged."""
+        return self.drift_cell.ratio
 
     @property
     def name(self) -> str:
@@ -392,8 +453,7 @@ class View:
     @property
     def drift_only(self) -> bool:
         """Whether only drift was computed (two dumps compared offline): the cells are drift."""
-        statuses = {r.status for b in self.report.blocks for r in b.subpaths.values()} - {"absent"}
-        return statuses == {"drift_only"}
+        return _drift_only(self.report)
 
     @property
     def measured(self) -> str:
@@ -419,14 +479,29 @@ class View:
         return len(self.report.stacks) > 1
 
     @property
+    def drift_judged(self) -> bool:
+        """Whether every block's drift was judged against its own threshold (a live
+        candidate's report): the sparkline then draws drift over it."""
+        drifting = [c for c in self.blocks if c.drift is not None]
+        return bool(drifting) and all(c.drift_ratio is not None for c in drifting)
+
+    @property
     def drift_sparkline(self) -> str:
-        """The drift of every block as one character per block (:func:`sparkline`)."""
+        """The drift of every block as one character per block: over its own threshold on
+        a fixed scale (:func:`ratio_sparkline`) where it was judged, else the drift itself
+        on the run's own log scale (:func:`sparkline`)."""
+        if self.drift_judged:
+            return ratio_sparkline([c.drift_ratio if c.drift is not None else None for c in self.blocks])
         return sparkline([c.drift for c in self.blocks])
 
     @property
     def drift_scale(self) -> str:
-        """The range the sparkline spans, ``rel L2 0 … 0.066, log scale``; ``""`` when no
-        block has a finite drift."""
+        """What the sparkline shows: ``drift / threshold 0.32 … 0.32, over 1: ▅ to █``, or
+        for drift not judged ``rel L2 0 … 0.066, log scale``; ``""`` when no block has a
+        finite drift."""
+        if self.drift_judged:
+            ratios = [c.drift_ratio for c in self.blocks if c.drift_ratio is not None and math.isfinite(c.drift_ratio)]
+            return f"drift / threshold {min(ratios):.2g} … {max(ratios):.2g}, {SPARK_LEGEND}" if ratios else ""
         values = [c.drift for c in self.blocks if c.drift is not None and math.isfinite(c.drift)]
         return f"rel L2 {min(values):.2g} … {max(values):.2g}, log scale" if values else ""
 
@@ -441,10 +516,29 @@ class View:
         return found[0] if found else None
 
 
+def _drift_only(report: Report) -> bool:
+    statuses = {r.status for b in report.blocks for r in b.subpaths.values()} - {"absent"}
+    return statuses == {"drift_only"}
+
+
+def _drift_cell(drift: Metrics | None, check: Check | None, whole: Cell | None) -> Cell:
+    """Drift's cell: its check judged against its own threshold; in a comparison of two
+    dumps (``whole``), the whole block's or stage's check, which is that drift judged;
+    else its value alone."""
+    if check is not None:
+        return Cell.of(check)
+    if drift is None:
+        return Cell(status="absent")
+    if whole is not None and whole.value == drift.rel_l2:
+        return whole
+    return Cell(status="checked", value=drift.rel_l2, nonfinite=(drift.nonfinite_ref, drift.nonfinite_cand))
+
+
 def _columns(report: Report) -> list[Column]:
     """Every site of ``report`` as a column, in execution order (an encoder's final norm
     before the decoder's blocks)."""
     columns: list[tuple[float, int, Column]] = []
+    offline = _drift_only(report)
     for stage in report.stages:
         cells = {name: Cell(status="absent") for name in SUBPATHS}
         cells[WHOLE] = Cell.of(stage.local)
@@ -456,6 +550,7 @@ def _columns(report: Report) -> list[Column]:
             cells=cells,
             drift=None if stage.drift is None else stage.drift.rel_l2,
             threshold=cells[WHOLE].threshold,
+            drift_cell=_drift_cell(stage.drift, stage.drift_check, cells[WHOLE] if offline else None),
         )
         columns.append((stage.order, 0, column))
     for block in report.blocks:
@@ -471,6 +566,7 @@ def _columns(report: Report) -> list[Column]:
             drift=None if block.drift is None else block.drift.rel_l2,
             threshold=cells[WHOLE].threshold,
             unmapped=list(block.unmapped),
+            drift_cell=_drift_cell(block.drift, block.drift_check, cells[WHOLE] if offline else None),
         )
         columns.append((block.order, 1, column))
     return [c for _, _, c in sorted(columns, key=lambda row: (row[0], row[1]))]

@@ -167,11 +167,36 @@ def test_the_backward_report_round_trips_and_reports_without_one_still_read(tmp_
     out = io.StringIO()
     render(data, Console(file=out, width=120, no_color=True))
     said = out.getvalue()
-    assert said.index("No divergence") < said.index("Backward (gradients, judged from the head to the embedding):")
-    assert "forward: no divergence; backward: block 1 residual (input gradient)" in said
+    # One headline naming both verdicts, first (before any picture), its continuation indented.
+    lines = said.splitlines()
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("Verdict: "))
+    assert verdict < next(i for i, line in enumerate(lines) if line.startswith("local error / threshold"))
+    assert "No divergence" not in said
+    continued = []
+    for line in lines[verdict + 1 :]:
+        if not line.startswith("    "):
+            break
+        continued.append(line.strip())
+    assert " ".join([lines[verdict], *continued]).startswith(
+        "Verdict: forward: no divergence; backward: block 1 residual (input gradient) (blocks.1): rel_l2 "
+    )
+    # The backward's heatmap and table, laid out by the forward's renderer, with its numbers.
+    back = said[said.index("Backward (gradients, judged from the head to the embedding):") :]
+    assert "  block      3 2 1 0" in back and "  residual   · · X ·" in back
+    rows = {line.split()[1]: line.split()[2:] for line in back.splitlines() if line.split()[:1] == ["block"]}
+    (block,) = [b for b in data["backward"]["blocks"] if b["index"] == 1]
+    residual = block["subpaths"]["residual"]["rel_l2"]
+    assert rows["1"][3] == f"{residual:.2e}!" and len(rows) == 4
     out = io.StringIO()
     render(plain, Console(file=out, width=120, no_color=True))
     assert "Backward" not in out.getvalue()
+    # The PNG draws the forward, under both verdicts (not the forward's "No divergence").
+    pytest.importorskip("matplotlib")
+    from blockdiff.plot import figure
+
+    title = " ".join(figure(data).get_suptitle().split())
+    assert "verdict: forward: no divergence; backward: block 1 residual (input gradient)" in title
+    assert "No divergence" not in title
 
 
 def test_the_assertion_judges_the_backward():

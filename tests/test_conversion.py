@@ -114,3 +114,63 @@ def test_a_gpt2_port_whose_copy_loop_missed_a_transpose(dtype, capsys):
     assert code == 1, err
     assert out.startswith("first divergence: block 1 attention (h.1.attn)")
     assert "h.1.attn.c_proj.weight differs from the reference's transformer.h.1.attn.c_proj.weight: it is the reference's transposed" in out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """One tiny Llama saved twice by save_pretrained: in float32, and in bfloat16
+    (``config.json``: ``dtype: bfloat16``), its weights the first's rounded."""
+    from samples import hf_llama
+
+    folder = tmp_path_factory.mktemp("checkpoints")
+    model = hf_llama.build()
+    model.save_pretrained(folder / "float32")
+    model.to(torch.bfloat16).save_pretrained(folder / "bfloat16")
+    assert json.loads((folder / "bfloat16" / "config.json").read_text())["dtype"] == "bfloat16"
+    return folder / "float32", folder / "bfloat16"
+
+
+def test_a_checkpoint_runs_in_its_own_dtype_and_the_header_says_so(checkpoints, tmp_path, capsys):
+    ref, cand = map(str, checkpoints)
+    code, out, err = run_cli(["diff", ref, cand, "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 0, out + err
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert (data["reference"]["dtype"], data["reference"]["checkpoint_dtype"]) == ("float32", "float32")
+    assert (data["candidate"]["dtype"], data["candidate"]["checkpoint_dtype"]) == ("bfloat16", "bfloat16")
+    assert data["tolerance"]["policy"] == "calibrated" and data["first_divergence"] is None
+    said = " ".join(out.split())
+    assert "(cpu, float32 as saved)" in said and "(cpu, bfloat16 as saved)" in said and "rounded" not in said
+    # Asked for, a dtype wins over the checkpoint's: the header says it was cast.
+    from blockdiff.loading import side_dtypes
+
+    assert side_dtypes(ref, cand, (None, None)) == (torch.float32, torch.bfloat16)
+    assert side_dtypes(cand, None, (None, None)) == (torch.bfloat16, torch.bfloat16)
+    assert side_dtypes(cand, ref, (torch.float32, None)) == (torch.float32, torch.float32)
+    assert side_dtypes(ref, "samples/tinylm.py:build", (None, None)) == (torch.float32, torch.float32)
+
+
+def test_weights_rounded_through_bfloat16_are_said_once_with_the_option_that_judges_them(checkpoints, tmp_path, capsys):
+    ref, cand = map(str, checkpoints)
+    code, out, err = run_cli(["diff", ref, cand, "--cand-dtype", "float32", "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 1, out + err  # asked for float32, the rounded weights are divergences
+    report = Report.from_dict(json.loads((tmp_path / "r.json").read_text()))
+    assert len(report.divergences) > 10 and report.candidate["checkpoint_dtype"] == "bfloat16"
+    lines = out.splitlines()
+    assert "(cpu, float32, saved in bfloat16)" in " ".join(out.split())
+    # One note for every rounded weight, once, naming the option; no headline repeats it.
+    rounded = [i for i, line in enumerate(lines) if "rounded through" in line]
+    assert len(rounded) == 1 and lines[rounded[0]].startswith("note: ")
+    note = " ".join(lines[rounded[0]].split() + lines[rounded[0] + 1].split())
+    assert "--cand-dtype bfloat16" in note and "judge that as precision" in note
+    assert [n for n in report.notes if "rounded" in n] == [report.notes[-1]]
+    assert report.note_codes.count("rounded-weights") == 1 and "conversion" not in report.note_codes
+    assert not any("rounded" in d.headline() for d in report.divergences)
+    # Each divergent module's rounded weights stay on its check.
+    head = next(d for d in report.divergences if d.stage == "head")
+    assert head.check.details["rounded_through"] == [{"dtype": "bfloat16", "weights": ["lm_head.weight"]}]
+    weights = sum(len(entry["weights"]) for d in report.divergences for entry in (d.check.details or {}).get("rounded_through", []))
+    modules = sum(bool((d.check.details or {}).get("rounded_through")) for d in report.divergences)
+    assert f"({weights} weights of {modules} divergent modules)" in report.notes[-1]
+    # The option it names judges them as precision.
+    code, out, err = run_cli(["diff", ref, cand, "--cand-dtype", "bfloat16", "-q"], capsys)
+    assert (code, out) == (0, "no divergence\n"), err

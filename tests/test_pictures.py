@@ -14,7 +14,7 @@ import torch
 
 from blockdiff import BlockdiffError, diff, plot
 from blockdiff import html as report_html
-from blockdiff.view import View
+from blockdiff.view import View, ratio_colour
 from samples import bugs, tinylm
 
 # The PNG needs the `plot` extra; the HTML and the missing-matplotlib error do not.
@@ -103,6 +103,46 @@ def test_clean_png_annotates_nothing(clean):
     assert panels(fig) == DENSE_PANELS
     assert annotations(fig) == []
     assert "No divergence" in fig.get_suptitle()
+
+
+def drift_thresholds(data: dict) -> dict[str, float]:
+    """Each site's drift threshold as the JSON report holds it (``drift_check.threshold``),
+    by the label the pictures give its column (a stage's name, a block's index)."""
+    found = {s["stage"]: s["drift_check"]["threshold"] for s in data["stages"] if s.get("drift_check")}
+    found.update({str(b["index"]): b["drift_check"]["threshold"] for b in data["blocks"] if b.get("drift_check")})
+    return found
+
+
+def drifts(data: dict) -> dict[str, float]:
+    found = {s["stage"]: s["drift"]["rel_l2"] for s in data["stages"] if s.get("drift")}
+    found.update({str(b["index"]): b["drift"]["rel_l2"] for b in data["blocks"] if b.get("drift")})
+    return found
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("name", ["clean", "dense", "moe"])
+def test_png_draws_drift_against_its_own_threshold(name, request):
+    data = request.getfixturevalue(name)
+    expected = drift_thresholds(data)
+    assert len(expected) == len(data["stages"]) + len(data["blocks"])  # every site's drift was judged
+    ax = next(ax for ax in plot.figure(data).axes if ax.get_title(loc="left") == "drift per block")
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    (line,) = [line for line in ax.get_lines() if line.get_gid() == "drift-threshold"]
+    assert dict(zip(labels, map(float, line.get_ydata()), strict=True)) == expected
+    # Not the whole block's local-error threshold, which the panel drew before.
+    whole = [c.threshold for c in View.of(data).columns]
+    if name == "clean":
+        assert list(line.get_ydata()) != whole
+    # Each drift point coloured by its ratio to that threshold (the heatmap's colours).
+    (points,) = [c for c in ax.collections if c.get_gid() == "drift"]
+    from matplotlib.colors import to_hex
+
+    measured = drifts(data)
+    shown = [labels[round(x)] for x, _ in points.get_offsets()]
+    colours = [to_hex(c) for c in points.get_facecolors()]
+    assert colours == [ratio_colour(measured[site] / expected[site]) for site in shown]
+    if name == "clean":  # "No divergence": every drift below its own line (the head's 1.1e-2 under 3.4e-2)
+        assert all(measured[site] < expected[site] for site in expected)
 
 
 @needs_matplotlib
@@ -245,9 +285,59 @@ def test_html_is_balanced_self_contained_and_states_the_first_divergence(dense, 
     heat = parser.text_by_id["heatmap"]
     for name in ("attention", "ffn", "norm", "residual", "whole", "drift", "block 3", "head"):
         assert name in heat
-    assert heat.count("X") == 2
+    # ffn and the whole block of block 2, and drift over its own threshold from block 2 on.
+    over = sum(entry["drift_check"]["diverged"] for entry in (*dense["stages"], *dense["blocks"]))
+    assert over == 4 and heat.count("X") == 2 + over
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert ("img" in parser.tags) == has_matplotlib  # the inline figure when matplotlib is there
+
+
+class Cells(HTMLParser):
+    """The cells of the page's table of local errors and drift: per row, (attributes, text)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.rows: list[list[tuple[dict, str]]] = []
+        self.cell: tuple[dict, str] | None = None
+        self.inside = False
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.inside = dict(attrs).get("id") == "heatmap"
+        if self.inside and tag == "tr":
+            self.rows.append([])
+        if self.inside and tag == "td":
+            self.cell = (dict(attrs), "")
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self.inside = False
+        if tag == "td" and self.cell is not None:
+            self.rows[-1].append(self.cell)
+            self.cell = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell = (self.cell[0], self.cell[1] + data)
+
+
+@pytest.mark.parametrize("name", ["clean", "dense"])
+def test_html_drift_column_is_judged_by_drift_s_own_threshold(name, request):
+    data = request.getfixturevalue(name)
+    parser = Cells()
+    parser.feed(report_html.document(data, image=False))
+    rows = [row for row in parser.rows if row]
+    expected, measured = drift_thresholds(data), drifts(data)
+    labels = [column.label for column in View.of(data).columns]
+    assert len(rows) == len(labels) == len(expected)
+    for label, row in zip(labels, rows):
+        attrs, text = row[-1]  # the drift column
+        assert "drift" in attrs["class"].split()
+        assert float(attrs["data-threshold"]) == expected[label] and float(attrs["data-value"]) == measured[label]
+        ratio = measured[label] / expected[label]
+        assert attrs["style"].startswith(f"background:{ratio_colour(ratio)};")
+        assert text.endswith(f"{ratio:.3g}x")  # its ratio, as the local errors show theirs
+        assert ("X" in text) == (ratio > 1)
 
 
 def test_html_of_a_moe_report_has_the_routing_table(moe):

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from blockdiff import diff
 from blockdiff.render import ADVICE, render, render_heatmap
-from blockdiff.view import SPARKS, View, sparkline
+from blockdiff.view import SPARKS, View, ratio_sparkline, sparkline
 from samples import bugs, tinylm
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -128,11 +128,29 @@ def test_a_saved_report_renders_as_the_live_one(gelu_report):
     assert output(saved) == output(live)
 
 
-def test_sparkline_is_one_bar_per_block_on_a_log_scale(gelu_report, moe_report):
-    # Drift is exactly 0 before the bug (float32, same weights), then jumps to ~6e-2.
+def test_sparkline_draws_drift_over_its_own_threshold_on_a_fixed_scale(gelu_report, moe_report, clean_report):
+    # Drift is exactly 0 before the bug (float32, same weights), then hundreds of times its threshold.
     assert View.of(gelu_report).drift_sparkline == SPARKS[0] * 2 + SPARKS[-1] * 2
-    line = View.of(moe_report).drift_sparkline
-    assert len(line) == len(moe_report.blocks) and SPARKS.index(line[0]) < SPARKS.index(line[1]) == len(SPARKS) - 1
+    # The MoE router bug in block 1 (bfloat16): block 0's precision noise low, the bug's blocks high.
+    moe = View.of(moe_report)
+    line = moe.drift_sparkline
+    assert len(line) == len(moe_report.blocks)
+    for column, bar in zip(moe.blocks, line):
+        assert (SPARKS.index(bar) >= 4) == (column.drift_ratio > 1), (column.block, column.drift_ratio, bar)
+    assert SPARKS.index(line[0]) <= 3 and all(SPARKS.index(bar) >= 4 for bar in line[1:])
+    # Clean bfloat16 noise (drift a third of its threshold, growing block by block) stays low:
+    # the run's own scale drew it as a jump to the top.
+    clean = View.of(clean_report)
+    drifts = [column.drift for column in clean.blocks]
+    assert drifts == sorted(drifts) and all(0.1 < column.drift_ratio < 0.5 for column in clean.blocks)
+    assert clean.drift_sparkline == SPARKS[2] * 4
+    assert SPARKS[-1] in sparkline(drifts)  # what the terminal drew before: noise at the top
+    assert clean.drift_scale.startswith("drift / threshold 0.3")
+    # The scale is fixed: a ratio draws the same bar whatever else the run holds.
+    assert ratio_sparkline([0.32, 0.32]) == ratio_sparkline([0.32, 566.0])[:1] * 2
+    assert ratio_sparkline([0.005, 0.05, 0.3, 0.7, 1.0, 2.0, 5.0, 50.0, 566.0]) == "▁▂▃▄▄▅▆▇█"
+    assert ratio_sparkline([None, float("nan"), 0.0]) == "-!▁"
+    # Drift not judged (two dumps compared): the drift itself on the run's own log scale.
     assert sparkline([1e-4, 1e-3, 1e-2, 1e-1, 1.0]) == "▁▃▅▆█"  # four decades over bars 0, 1.75, 3.5, 5.25, 7
     assert sparkline([0.006, 0.007, 0.008]) == "███"  # flat: no decade of spread to show
     assert sparkline([None, float("inf"), 0.0]) == "-!▁"
@@ -169,7 +187,7 @@ def test_narrow_terminals_print_every_value_whole(name, width, request):
     assert expected and all(value in text for value in expected), (expected, text)
     for divergence in report.divergences:  # the report's own numbers, not only the view's
         assert f"{divergence.check.measured:.2e}!" in text
-    cut = [line for line in text.splitlines() if "…" in line and "log scale" not in line]  # the drift scale's own …
+    cut = [line for line in text.splitlines() if "…" in line and "drift / threshold" not in line]  # the drift scale's own …
     assert cut == [], text
     assert all(len(line.rstrip()) <= width for line in text.splitlines())
 
@@ -188,7 +206,8 @@ def test_eighty_columns_keep_one_table_and_sixty_stack_it(gelu_report):
     column = next(column for column in View.of(gelu_report).columns if column.block == 2)
     shown = {name: column.cells[name].text + ("!" if column.cells[name].diverged else "") for name in ROWS}
     # The bug's block once per stacked table: its sub-paths, then its whole block and drift.
-    assert rows == [[shown[name] for name in ROWS[:4]], [shown["whole"], f"{column.drift:.2e}"]]
+    drift = f"{column.drift:.2e}" + ("!" if column.drift_cell.diverged else "")  # over drift's own threshold
+    assert rows == [[shown[name] for name in ROWS[:4]], [shown["whole"], drift]] and drift.endswith("!")
     assert shown["ffn"].endswith("!") and shown["whole"].endswith("!")
 
 def test_table_rows_follow_execution_order_across_stacks():

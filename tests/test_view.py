@@ -27,7 +27,11 @@ def test_columns_follow_execution_order_with_one_cell_per_row(gelu_report):
     assert ffn.level == "diverged" and ffn.module == "blocks.2.ffn"
     assert ffn.text == f"{ffn.value:.2e}" and ffn.ratio == pytest.approx(ffn.value / ffn.threshold)
     assert view.blocks[0].drift == 0.0 and view.blocks[3].drift > 0
-    assert view.drift_scale.startswith("rel L2 0 … ") and view.drift_scale.endswith(", log scale")
+    # Drift over its own threshold (drift_check): 0 before the bug, hundreds of times it after.
+    for column, block in zip(view.blocks, gelu_report.blocks):
+        assert column.drift_threshold == block.drift_check.threshold.value
+        assert column.drift_ratio == pytest.approx(block.drift.rel_l2 / block.drift_check.threshold.value)
+    assert view.drift_scale.startswith("drift / threshold 0 … ") and view.drift_scale.endswith("over 1: ▅ to █")
 
 
 def test_the_headline_is_the_divergence_s_own(gelu_report):
@@ -73,3 +77,18 @@ def test_drop_rate_at_the_model_s_capacity_or_counterfactual():
     assert drop_rate({"capacity": None, "counterfactual": counterfactual}) == "25.0% @cf1.0"
     assert drop_rate({"capacity": None, "counterfactual": {}}) == "—"
     assert drop_rate({"capacity": 8, "assignment_drop_rate": "nan"}) == "nan%"  # as JSON writes it
+
+
+def test_two_dumps_compared_draw_drift_over_the_threshold_that_judged_it(tmp_path, ids):
+    """Offline, the whole block's check is the drift, judged: the drift cell is it."""
+    from blockdiff import run
+    from blockdiff.engine import capture
+
+    capture(tinylm.build(), ids, tmp_path / "ref.h5")
+    capture(bugs.gelu_for_silu(block=2), ids, tmp_path / "cand.h5")
+    view = View.of(run(str(tmp_path / "ref.h5"), str(tmp_path / "cand.h5")).to_dict())
+    assert view.drift_only and view.drift_judged
+    for column in view.columns:
+        assert column.drift_cell.threshold == column.cells[WHOLE].threshold and column.drift_ratio is not None
+        assert column.drift_cell.diverged == (column.drift > column.drift_threshold)
+    assert view.drift_sparkline == "▁▁██"
