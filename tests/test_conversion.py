@@ -160,7 +160,10 @@ def test_weights_rounded_through_bfloat16_are_said_once_with_the_option_that_jud
     # One note for every rounded weight, once, naming the option; no headline repeats it.
     rounded = [i for i, line in enumerate(lines) if "rounded through" in line]
     assert len(rounded) == 1 and lines[rounded[0]].startswith("note: ")
-    note = " ".join(lines[rounded[0]].split() + lines[rounded[0] + 1].split())
+    # The note and its continuation lines (indented), as wrapped to the terminal's width.
+    following = lines[rounded[0] + 1:]
+    continued = following[:next((i for i, line in enumerate(following) if not line.startswith(" ")), len(following))]
+    note = " ".join(word for line in [lines[rounded[0]], *continued] for word in line.split())
     assert "--cand-dtype bfloat16" in note and "judge that as precision" in note
     assert [n for n in report.notes if "rounded" in n] == [report.notes[-1]]
     assert report.note_codes.count("rounded-weights") == 1 and "conversion" not in report.note_codes

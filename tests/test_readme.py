@@ -258,8 +258,9 @@ def test_readme_command_runs_as_printed(command, results):
         f"the README says {command.expected}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     )
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    printed = " ".join((done.stdout + done.stderr).split())  # as wrapped to the terminal's width
     for said in command.says:  # `# ... "Error: --seq must be at least 1, found 0"`
-        assert said in done.stdout + done.stderr, (said, done.stdout[-2000:], done.stderr[-2000:])
+        assert " ".join(said.split()) in printed, (said, done.stdout[-2000:], done.stderr[-2000:])
 
 
 def test_every_output_the_readme_shows_is_printed_by_its_command(results):
