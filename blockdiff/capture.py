@@ -22,7 +22,7 @@ from torch import nn
 
 from .distributed import declared_whole, is_distributed, made_whole
 from .hooking import Hooks
-from .hookmap import Layout
+from .hookmap import EACH_CALL, Layout
 from .inputs import run_model
 from .errors import ModelSpecError, TensorChanged
 from .site import (
@@ -53,6 +53,7 @@ class Snapshots:
         self, *, by_reference: str | None = None, device_copies: "DeviceCopies | None" = None, lockstep: bool = False
     ) -> None:
         self.by_reference = by_reference
+        self._kept = by_reference == "kept"
         # A run in lockstep with other ranks copies at once: its records are gathered and
         # compared across ranks.
         self.lockstep = lockstep
@@ -63,6 +64,16 @@ class Snapshots:
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         key = id(t)
+        if self._kept and type(t) is torch.Tensor and t.is_cpu and not t.requires_grad:
+            # Held as it is (what a detached alias would hold: nothing to detach), checked
+            # against the version it had when first recorded (changed): the same tensor
+            # met again, at a later site, is the same record. The most common case, kept
+            # to a few attribute reads.
+            try:
+                self._held.setdefault(key, (t, t._version))
+                return t
+            except RuntimeError:  # an inference tensor has no version counter: copied
+                pass
         version = _version(t)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is t and version is not None and hit[1] == version:
@@ -232,15 +243,18 @@ class Numbering:
         self.calls: dict[str, int] = {}
         self.ordinals: dict[tuple, int] = {}
         self.order = 0
+        self._options: dict[str, Any] = {}  # each path's options, looked up once
 
     def open(
         self, path: str, where: tuple[str, int | None, str | None], args: tuple, kwargs: dict, copy: Callable[[Any], Any]
     ) -> Site | None:
         """The site of this call of ``path``, its arguments recorded through ``copy``."""
-        options = self.layout.options(path)
+        options = self._options.get(path)
+        if options is None:
+            options = self._options[path] = self.layout.options(path)
         call = self.calls.get(path, 0)
         self.calls[path] = call + 1
-        if not options.selects(call):
+        if options.calls != EACH_CALL and not options.selects(call):
             return None
         args, kwargs = copy(args), copy(kwargs)
         if self.whole and options.shard_input is not None:
@@ -336,10 +350,22 @@ def capture(
     is called as each block's own call finishes. ``lockstep``: the model runs on every rank
     of a launched run, and a local shard is recorded whole.
 
+    How a call is heard: in a model no compiler runs, each site module's ``forward`` is
+    wrapped on the instance (``Hooks.replace_forward``; the wrapper keeps the forward's
+    signature for ``inspect``): one Python call a site, and torch calls the module without
+    its hook machinery — what the pair of hooks cost was most of a site's price on a model
+    bound by dispatch (benchmarks/per_site.py). Where a compiler runs the module or one
+    above it (``torch.compile``, ``module.compile()``, a compiled ``forward``), forward
+    pre-hooks and hooks that dynamo traces (:class:`Deferred`). Either way the user's own
+    hooks run first (theirs before ``forward``, ours inside it: the arguments they pass
+    on are recorded) — except that an output a user's forward hook replaces is recorded
+    as the module returned it.
+
     >>> with capture(model, layout, MemoryStore()) as store:   # doctest: +SKIP
     ...     model(ids)
     """
-    modules = dict(model.named_modules())
+    site_of = layout.site_of()
+    modules = _site_modules(model, site_of)
     snapshot = snapshot or Snapshots()
     numbering = Numbering(layout, whole=lockstep)
     open_sites: dict[str, list[Site | None]] = {}
@@ -354,30 +380,76 @@ def capture(
         site = numbering.open(path, where, args, kwargs, snapshot)
         open_sites.setdefault(path, []).append(site)
 
+    written = not isinstance(store, MemoryStore)
+
     def closed(module: nn.Module, output: Any) -> None:
         site = open_sites[sites[id(module)][0]].pop()
-        if site is None:
-            return
+        if site is not None:
+            finished(module, site, output)
+
+    def finished(module: nn.Module, site: Site, output: Any) -> None:
         site.output = snapshot(output)
         primary = primary_tensor(site.output) if lockstep else None
         if primary is not None:  # a local shard: recorded whole
             site.output = replace_primary(site.output, made_whole(primary, module, layout.options(site.module).shard_output))
-        snapshot.add(store, site, written=not isinstance(store, MemoryStore))
+        snapshot.add(store, site, written=written)
         if progress is not None and site.stage == "block" and site.subpath is None:
             blocks_done[0] += 1
             progress(blocks_done[0], len(layout.blocks))
 
     deferred = Deferred(opened, closed)
+    # A model no compiler runs records through each site module's own forward, wrapped on
+    # the instance (one Python call a site, and torch's call skips its hook machinery);
+    # one a compiler traces, through hooks that dynamo can trace (Deferred).
+    eager = not any(_compiled(module) for module in modules.values())
     with Hooks() as hooks:
-        for path, where in layout.site_of().items():
+        for path, where in site_of.items():
             module = modules[path]
             if id(module) in sites:  # one module at two paths: recorded under the first
                 continue
             sites[id(module)] = (path, where)
-            hooks.around(module, deferred.pre, deferred.post)
+            if eager:
+                def recording(forward: Callable, module: nn.Module = module, path: str = path, where: Any = where) -> Callable:
+                    def recorded(*args: Any, **kwargs: Any) -> Any:
+                        site = numbering.open(path, where, args, kwargs, snapshot)
+                        output = forward(*args, **kwargs)
+                        if site is not None:
+                            finished(module, site, output)
+                        return output
+
+                    recorded.__wrapped__ = forward  # type: ignore[attr-defined]  # its signature is forward's (inspect)
+                    return recorded
+
+                hooks.replace_forward(module, recording)
+            else:
+                hooks.around(module, deferred.pre, deferred.post)
         yield store
         deferred.drain()
         snapshot.finish()  # every device copy landed before the store is read
+
+
+def _site_modules(model: nn.Module, site_of: dict[str, Any]) -> dict[str, nn.Module]:
+    """Each site's module by path, and every module above one (the model, ``model.layers``,
+    ...): what a compiler running any of them would trace. Looked up by path, not by walking
+    every module of the model (a capture of a small model paid a tenth of its time for that)."""
+    found: dict[str, nn.Module] = {"": model}
+    for path in site_of:
+        parent = ""
+        for name in path.split(".") if path else []:
+            here = f"{parent}.{name}" if parent else name
+            if here not in found:
+                found[here] = found[parent]._modules[name]  # type: ignore[assignment]
+            parent = here
+    return found
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether a compiler runs ``module``'s code: compiled (``torch.compile(module)``, or
+    ``module.compile()``), or its ``forward`` a compiled function."""
+    return (
+        "_orig_mod" in module._modules or "_compiled_call_impl" in module.__dict__
+        or hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable")
+    )
 
 
 def whole_input(args: tuple, kwargs: dict, dim: int, names: tuple[str, ...] | None) -> tuple[tuple, dict]:

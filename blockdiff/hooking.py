@@ -68,17 +68,19 @@ class Hooks:
 
     def replace_forward(self, module: nn.Module, make: Callable[[Callable], Callable]) -> None:
         """``module.forward`` replaced, on the instance, by ``make(current forward)``.
-        Set through ``nn.Module``'s own ``__setattr__``: a module may pass attributes on
-        (TransformerLens 4's bridge components set an attribute their wrapped Hugging Face
-        module has on that module, which the bridge's forward need not call)."""
-        previous = module.__dict__.get("forward", _MISSING)
-        nn.Module.__setattr__(module, "forward", make(module.forward))
+        Set in the instance's own ``__dict__``, past any ``__setattr__`` of its class: a
+        module may pass attributes on (TransformerLens 4's bridge components set an
+        attribute their wrapped Hugging Face module has on that module, which the bridge's
+        forward need not call); and a capture sets one on every site's module each run."""
+        own = module.__dict__
+        previous = own.get("forward", _MISSING)
+        own["forward"] = make(module.forward)
 
         def undo() -> None:
             if previous is _MISSING:
-                nn.Module.__delattr__(module, "forward")
+                own.pop("forward", None)
             else:
-                nn.Module.__setattr__(module, "forward", previous)
+                own["forward"] = previous
 
         self._undo.append(undo)
 

@@ -179,9 +179,9 @@ def map_structure(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if obj is None or kind in _PLAIN:
         return obj
     if kind is tuple:
-        return tuple([map_structure(v, fn) for v in obj])
-    if kind is dict:
-        return {k: map_structure(v, fn) for k, v in obj.items()}
+        return tuple([fn(v) if type(v) is torch.Tensor else v if v is None else map_structure(v, fn) for v in obj])
+    if kind is dict:  # a call's keywords: tensors and None, mostly (no call for those)
+        return {k: fn(v) if type(v) is torch.Tensor else v if v is None else map_structure(v, fn) for k, v in obj.items()}
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, (bool, int, float, str, Opaque, torch.dtype, torch.device)):

@@ -46,7 +46,10 @@ class MemoryStore:
     def add(self, site: Site) -> None:
         # Sites arrive as their calls finish (a block after its modules); keep start order.
         target = self._outside if site.block is None else self._blocks.setdefault(site.block, [])
-        bisect.insort(target, site, key=lambda s: s.order)
+        if not target or target[-1].order < site.order:
+            target.append(site)
+        else:
+            bisect.insort(target, site, key=lambda s: s.order)
 
     def clear(self) -> None:
         """Forget every site (the meta stays)."""

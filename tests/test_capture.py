@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from blockdiff import resolve
@@ -219,3 +221,19 @@ def test_a_dump_written_through_device_copies_holds_every_value_landed(ids, tmp_
             got = {s.key: s for s in [*store.outside_sites(), *(s for i in store.block_indices() for s in store.block_sites(i))]}
             for site in [*expected.outside_sites(), *(s for i in expected.block_indices() for s in expected.block_sites(i))]:
                 assert torch.equal(got[site.key].primary_output(), site.primary_output()), site.label
+
+
+def test_an_eager_model_is_recorded_through_its_own_forwards_which_keep_their_signatures(ids):
+    """A capture of a model no compiler runs wraps each site module's forward on the
+    instance (no hooks), keeps what inspect sees of it (a model may read its modules'
+    signatures, as HF's Falcon sample does), and takes every wrapper off after."""
+    model = tinylm.build()
+    layout = resolve(model)
+    attention = model.blocks[1].attn
+    seen = inspect.signature(attention.forward)
+    with capture(model, layout, MemoryStore()) as store, torch.no_grad():
+        assert "forward" in attention.__dict__ and not attention._forward_pre_hooks and not attention._forward_hooks
+        assert inspect.signature(attention.forward) == seen
+        model(ids)
+    assert not any("forward" in m.__dict__ or m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert len(store.block_sites(1)) == len([p for p in layout.site_of() if p.startswith("blocks.1")])
