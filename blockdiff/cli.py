@@ -817,7 +817,7 @@ def _stop_progress() -> None:
 # torchao (imported by transformers when installed) saying which of its optional CUDA
 # kernels it could not load, and torch's pytree on the Enums torchao registers. A CLI
 # user reads blockdiff's output; BLOCKDIFF_DEBUG keeps them.
-QUIETED = ("torchao", "torch.utils._pytree")
+QUIETED = ("torchao", "torch.utils._pytree", "transformers.integrations.hub_kernels")
 
 
 def _quiet_third_parties() -> None:

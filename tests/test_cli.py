@@ -408,16 +408,23 @@ def test_help_and_usage_errors_do_not_import_torch(args, code):
     assert done.stdout.splitlines()[-1] == "False", done.stdout[-500:]
 
 
-def test_a_hugging_face_diff_prints_only_blockdiff_on_stderr():
+@pytest.mark.parametrize("args, said", [
+    (("samples/hf_llama.py:build", "samples/hf_llama.py:residual_dropped"),
+     "First divergence: block 1 residual (input of model.layers.1.post_attention_layernorm)"),
+    (("samples/hf_ssm.py:build_mamba", "samples/hf_ssm.py:decay_wrong_when_decoding", "--decode", "2"),
+     "step 1 block 1 attention (ssm state)"),
+], ids=["llama", "mamba decode"])
+def test_a_hugging_face_diff_prints_only_blockdiff_on_stderr(args, said):
     """transformers imports torchao when it is installed (the dev install has it): its
     warnings about CUDA kernels it could not load, and torch's about the Enums it registers,
-    are not the user's business (BLOCKDIFF_DEBUG shows them again); nor is a warning from
-    the project's own sample, whose planted bug runs the attention with the cache under
-    the name transformers passed it (naming the other, the sample warned a FutureWarning)."""
-    done = blockdiff_process("diff", "samples/hf_llama.py:build", "samples/hf_llama.py:residual_dropped")
+    are not the user's business (BLOCKDIFF_DEBUG shows them again); nor are its notes that a
+    Mamba mixer's kernels fall back to PyTorch code on a CPU, nor a warning from the
+    project's own sample, whose planted bug runs the attention with the cache under the name
+    transformers passed it (naming the other, the sample warned a FutureWarning)."""
+    done = blockdiff_process("diff", *args)
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr == ""
-    assert "First divergence: block 1 residual (input of model.layers.1.post_attention_layernorm)" in " ".join(done.stdout.split())
+    assert said in " ".join(done.stdout.split())
 
 
 _CONSOLE_SCRIPT = "import sys; sys.path = [p for p in sys.path if p not in ('', '.', {root!r})]; " \
