@@ -12,6 +12,7 @@ retry loop, :func:`with_copies`, runs the whole attempt again with copies.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
 from contextlib import contextmanager
@@ -417,8 +418,8 @@ def capture(
                             finished(module, site, output)
                         return output
 
-                    recorded.__wrapped__ = forward  # type: ignore[attr-defined]  # its signature is forward's (inspect)
-                    return recorded
+                    # Its signature is forward's, as inspect sees it (``__wrapped__``).
+                    return functools.update_wrapper(recorded, forward, assigned=(), updated=())
 
                 hooks.replace_forward(module, recording)
             else:
