@@ -12,7 +12,6 @@ retry loop, :func:`with_copies`, runs the whole attempt again with copies.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections import deque
 from contextlib import contextmanager
@@ -418,8 +417,8 @@ def capture(
                             finished(module, site, output)
                         return output
 
-                    # Its signature is forward's, as inspect sees it (``__wrapped__``).
-                    return functools.update_wrapper(recorded, forward, assigned=(), updated=())
+                    setattr(recorded, "__wrapped__", forward)  # its signature is forward's, as inspect sees it
+                    return recorded
 
                 hooks.replace_forward(module, recording)
             else:
