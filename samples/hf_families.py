@@ -300,13 +300,18 @@ def residual_bug(*, family: str = "gemma2", block: int = DEFAULT_BLOCK) -> nn.Mo
     return model
 
 
+# The planted blocks pass the cache on in kwargs, under the name their caller gave it:
+# `cache` in transformers 5, `past_key_values` before (naming one while the caller passes
+# the other warns).
+
+
 def _gemma_norm_after_add(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-                          past_key_values=None, **kwargs):
+                          **kwargs):
     residual = hidden_states
     h = self.input_layernorm(hidden_states)
     h, _ = self.self_attn(
         hidden_states=h, position_embeddings=position_embeddings, attention_mask=attention_mask,
-        position_ids=position_ids, past_key_values=past_key_values, **kwargs,
+        position_ids=position_ids, **kwargs,
     )
     h = self.post_attention_layernorm(residual + h)  # the bug: norm(x + attn) for x + norm(attn)
     residual = h
@@ -314,34 +319,35 @@ def _gemma_norm_after_add(self, hidden_states, position_embeddings=None, attenti
     return residual + h
 
 
-def _phi3_residual_dropped(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+def _phi3_residual_dropped(self, hidden_states, attention_mask=None, position_ids=None,
                            use_cache=False, position_embeddings=None, **kwargs):
     h = self.input_layernorm(hidden_states)
     h, _ = self.self_attn(
         hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+        use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
     )
     residual = h  # the bug: `hidden_states + h` is missing
     return residual + self.mlp(self.post_attention_layernorm(h))
 
 
-def _olmo2_pre_norm(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+def _olmo2_pre_norm(self, hidden_states, attention_mask=None, position_ids=None,
                     use_cache=False, position_embeddings=None, **kwargs):
     # The bug: OLMo2 ported as a Llama (norm before each sub-layer, not after it).
     h, _ = self.self_attn(
         hidden_states=self.post_attention_layernorm(hidden_states), attention_mask=attention_mask,
-        position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-        position_embeddings=position_embeddings, **kwargs,
+        position_ids=position_ids, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
     )
     hidden_states = hidden_states + h
     return hidden_states + self.mlp(self.post_feedforward_layernorm(hidden_states))
 
 
-def _gpt2_residual_dropped(self, hidden_states, past_key_values=None, attention_mask=None,
+def _gpt2_residual_dropped(self, hidden_states, cache=None, attention_mask=None,
                            encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False, **kwargs):
+    # The cache comes second, by position; the attention takes it as `cache` (transformers
+    # 5), or as `past_key_values` before.
+    name = "cache" if "cache" in inspect.signature(self.attn.forward).parameters else "past_key_values"
     attn_output, _ = self.attn(
-        self.ln_1(hidden_states), past_key_values=past_key_values, attention_mask=attention_mask,
-        use_cache=use_cache, **kwargs,
+        self.ln_1(hidden_states), attention_mask=attention_mask, use_cache=use_cache, **{name: cache}, **kwargs,
     )
     hidden_states = attn_output  # the bug: `+ residual` is missing
     return hidden_states + self.mlp(self.ln_2(hidden_states))
