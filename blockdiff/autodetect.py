@@ -92,6 +92,14 @@ def computes_nothing(module: nn.Module) -> bool:
     return isinstance(module, (nn.Identity, nn.modules.dropout._DropoutNd)) and not _has_parameters(module)
 
 
+def passes_through(module: nn.Module) -> bool:
+    """Whether ``module`` hands its input on unchanged whatever the mode, by its type: an
+    ``nn.Identity``, or a TransformerLens hook point (``HookPoint``: the identity a user's
+    hooks attach to) with no parameters. No drill-down child: it computes nothing to judge,
+    and one side's hook points pair with nothing on the other's."""
+    return (isinstance(module, nn.Identity) or type(module).__name__ == "HookPoint") and not _has_parameters(module)
+
+
 def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 

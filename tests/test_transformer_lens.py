@@ -278,6 +278,18 @@ def test_a_bug_in_the_bridge_is_blamed_on_its_block_and_sub_path_only(make, fami
 
 
 @transformer_bridge
+def test_a_bridge_drill_down_leaves_its_hook_points_out(ids):
+    """A bridge's hook points are identities its users hook into, not children to judge:
+    the drill-down of its divergent MLP names the activation and lists no hook point among
+    what pairs with nothing (it listed hook_in and hook_out)."""
+    report = diff(bridges.reference(family="llama"), bridges.ffn_bug(family="llama", block=1), ids)
+    check = report.first_divergence.check
+    assert check.first_child is not None and check.first_child.module.endswith("act_fn")
+    unpaired = [name for names in (check.children_not_paired or {}).values() for name in names]
+    assert not any("hook_" in name for name in unpaired), unpaired
+
+
+@transformer_bridge
 @pytest.mark.parametrize("family", ["gemma2", "olmo2", "gpt_neox"])
 def test_bridges_of_other_families_pair_with_their_hugging_face_model(family, ids):
     """Gemma2's four norms (ln1, ln1_post, ln2, ln2_post), OLMo2's two after their branches,

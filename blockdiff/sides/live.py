@@ -32,7 +32,7 @@ from ..capture import ChildCalls, Hold, Recording, record_once
 from ..errors import PairingError
 from ..hooking import BufferCache, Hooks
 from ..hookmap import Layout
-from ..autodetect import configured_vocab_size
+from ..autodetect import configured_vocab_size, passes_through
 from ..errors import InputError
 from ..inputs import (
     Inputs,
@@ -272,7 +272,10 @@ class LiveSide(SideDefaults):
         per call, in the order they started, under the parent's stage, block and sub-path.
         The hooks are added for this one run and removed in ``finally``."""
         module = self.module(path)
-        leaves = {rel: child for rel, child in module.named_modules() if rel and rel.count(".") < depth}
+        leaves = {
+            rel: child for rel, child in module.named_modules()
+            if rel and rel.count(".") < depth and not passes_through(child)
+        }
         children = ChildCalls(path, call)
 
         def pre(rel: str) -> Callable:
