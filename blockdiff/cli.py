@@ -392,7 +392,7 @@ def diff_command(
     """
     from . import engine, hookmap
     from .dtypes import parse_dtype
-    from .loading import parse_device, side_dtypes
+    from .loading import parse_device
     from .tolerance import Tolerance
 
     overrides = _parse_tolerances(tols)
@@ -406,9 +406,8 @@ def diff_command(
         raise click.UsageError("--hooks applies to both sides; do not combine it with --ref-hooks/--cand-hooks")
     r_device = parse_device(ref_device)
     c_device = parse_device(cand_device) if cand_device else r_device
-    r_dtype, c_dtype = side_dtypes(  # a checkpoint directory runs in its own dtype unless asked
-        reference, candidate, (parse_dtype(ref_dtype) if ref_dtype else None, parse_dtype(cand_dtype) if cand_dtype else None)
-    )
+    # Not asked: a checkpoint directory runs in its own dtype (engine.run, loading.side_dtypes).
+    r_dtype, c_dtype = (parse_dtype(ref_dtype) if ref_dtype else None), (parse_dtype(cand_dtype) if cand_dtype else None)
 
     # --save-dumps writes these two; the ones there already are replaced, and said so.
     kept = [os.path.join(save_dumps, f"{name}.h5") for name in ("reference", "candidate")] if save_dumps else []
@@ -546,7 +545,7 @@ def report_command(report_path: str, plot_path: str | None, html_path: str | Non
 @click.option("--lengths", default=None, metavar="N,N,...", help="With --padding: each row's number of tokens.")
 @click.option("--tol", "bound", type=float, default=0.0, show_default=True, help="The relative L2 a row may differ by (0: bit-exact).")
 @click.option("--device", default="cpu", show_default=True, help="Device to run on (cpu, cuda, cuda:N, auto).")
-@click.option("--dtype", default="float32", show_default=True, help="Dtype to run in.")
+@click.option("--dtype", default=None, help="Dtype to run in [default: a checkpoint directory's own, else float32].")
 @click.option("--hooks", "hooks_path", type=click.Path(dir_okay=False), help="Hook map TOML (default: found by class name).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report (blockdiff.report/2) here.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write one self-contained HTML report (the JSON embedded).")
@@ -586,7 +585,7 @@ def invariance_command(
     report = invariance(
         model, tokens, batch=batch, seq=seq, seed=seed, rows=_numbers(rows, "--rows"), padding=padding,
         lengths=_numbers(lengths, "--lengths"), tolerance=bound, hooks=hookmap.load(hooks_path) if hooks_path else None,
-        device=parse_device(device), dtype=parse_dtype(dtype), label=model,
+        device=parse_device(device), dtype=parse_dtype(dtype) if dtype else None, label=model,
     )
     _stop_progress()
     _emit(report, json_path=json_path, quiet=quiet, html_path=html_path)
@@ -606,7 +605,7 @@ def _numbers(text: str | None, option: str) -> list[int] | None:
 @click.argument("model")
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="The dump to write (HDF5).")
 @click.option("--device", default="cpu", show_default=True, help="Device to run on (cpu, cuda, cuda:N, auto).")
-@click.option("--dtype", default="float32", show_default=True, help="Dtype to run in.")
+@click.option("--dtype", default=None, help="Dtype to run in [default: a checkpoint directory's own, else float32].")
 @_apply(model_options)
 @click.option("--hooks", "hooks_path", type=click.Path(dir_okay=False), help="Hook map TOML (default: found by class name).")
 @click.option("--compress", type=click.Choice(["lzf", "gzip"]), default=None, help="Compress the tensors [default: off].")
@@ -673,7 +672,7 @@ def capture_command(
     from .dtypes import parse_dtype
     from .loading import parse_device, parse_precision
 
-    r_device, r_dtype = parse_device(device), parse_dtype(dtype)
+    r_device, r_dtype = parse_device(device), (parse_dtype(dtype) if dtype else None)
     precisions = [parse_precision(entry, r_device) for entry in (floors or "").split(",") if entry.strip()]
     made = engine.capture(
         model, _inputs_spec(tokens, inputs_path, batch, seq, seed), out,

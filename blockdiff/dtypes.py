@@ -6,11 +6,11 @@ import torch
 
 from .errors import InputError
 
-# What users may type (CLI, pytest options): canonical names and common short forms.
 # The attribute that keeps, on a model built from a checkpoint directory, the dtype it was
 # saved in (blockdiff.loading sets it; modelinfo.describe reports it beside the dtype it runs in).
 CHECKPOINT_DTYPE = "blockdiff_checkpoint_dtype"
 
+# What users may type (CLI, pytest options): canonical names and common short forms.
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,

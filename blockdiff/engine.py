@@ -36,6 +36,7 @@ from .dump import DumpWriter
 from .errors import InputError, OptionsError, run_model_code
 from .hookmap import HookMap
 from .inputs import Inputs, InputsFile, RandomTokens, check_inputs
+from .loading import checkpoint_dtype, side_dtypes
 from .modes import decode as decode_mode
 from .modes.judging import describe_inputs, localize, measure_floors
 from .modes.options import Options
@@ -91,14 +92,17 @@ def run(
     from_disk = options.max_memory is not None
     if not from_disk and (why := diskweights.too_large(reference, candidate)) is not None:
         raise OptionsError(why)
+    dtypes = options.dtypes
+    if checkpoint_dtype(reference) or checkpoint_dtype(candidate):  # each runs in its own unless asked
+        dtypes = side_dtypes(reference, candidate, options.dtypes)
     with distributed.lockstep(), ExitStack() as opened:
         ref = open_side(
             "reference", reference, opened=opened, hooks=options.reference_hooks, label=options.labels[0],
-            device=options.devices[0], dtype=options.dtypes[0], from_disk=from_disk,
+            device=options.devices[0], dtype=dtypes[0], from_disk=from_disk,
         )
         cand = open_side(
             "candidate", candidate, opened=opened, hooks=options.candidate_hooks, label=options.labels[1],
-            device=options.devices[1] or options.devices[0], dtype=options.dtypes[1] or options.dtypes[0], like=ref,
+            device=options.devices[1] or options.devices[0], dtype=dtypes[1] or dtypes[0], like=ref,
             from_disk=from_disk,
         )
         check_block_counts(len(ref.layout.blocks), len(cand.layout.blocks))

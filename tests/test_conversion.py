@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from blockdiff import Report
+from blockdiff.inputs import RandomTokens
 from blockdiff.conversion import explain
 from tests.conftest import run_cli
 
@@ -147,6 +148,21 @@ def test_a_checkpoint_runs_in_its_own_dtype_and_the_header_says_so(checkpoints, 
     assert side_dtypes(cand, None, (None, None)) == (torch.bfloat16, torch.bfloat16)
     assert side_dtypes(cand, ref, (torch.float32, None)) == (torch.float32, torch.float32)
     assert side_dtypes(ref, "samples/tinylm.py:build", (None, None)) == (torch.float32, torch.float32)
+
+
+def test_the_library_and_capture_run_a_checkpoint_in_its_own_dtype_too(checkpoints, tmp_path):
+    """The rule lives where sides are opened, not in the CLI alone: engine.run with no dtype
+    asked runs each checkpoint in its own, and a capture of the bfloat16 save is bfloat16."""
+    from blockdiff import engine
+    from blockdiff.dump import DumpReader
+
+    ref, cand = map(str, checkpoints)
+    report = engine.run(ref, cand, RandomTokens(batch=1, seq=8))
+    assert (report.reference["dtype"], report.candidate["dtype"]) == ("float32", "bfloat16")
+    assert report.first_divergence is None
+    engine.capture(cand, RandomTokens(batch=1, seq=8), tmp_path / "c.h5")
+    with DumpReader(tmp_path / "c.h5") as dump:
+        assert dump.meta["dtype"] == "bfloat16"
 
 
 def test_weights_rounded_through_bfloat16_are_said_once_with_the_option_that_judges_them(checkpoints, tmp_path, capsys):

@@ -29,7 +29,7 @@ from ..errors import InputError, run_model_code
 from ..hookmap import HookMap, layout_from_dict
 from ..diskweights import ATTRIBUTE, attach, disk_weights
 from ..inputs import model_dtype
-from ..loading import ACCEPTED, WEIGHT_SUFFIXES, build_model, reads_from_disk, unread
+from ..loading import ACCEPTED, WEIGHT_SUFFIXES, build_model, checkpoint_dtype, reads_from_disk, unread
 from . import Side, dump, gguf, mlx, onnx
 from .live import LiveSide
 from .sharded import PipelineSide, ShardedSide
@@ -64,7 +64,8 @@ def open_side(
         opened: where what the side holds open (a dump's file) is closed.
         hooks: the hook map; found by the model's class name when ``None``.
         label: how the report names it.
-        device, dtype: where a model spec string is built (default: CPU, float32).
+        device, dtype: where a model spec string is built (default: CPU; a checkpoint
+            directory's own dtype, else float32).
         like: the reference, for a candidate whose anatomy is the reference's (an ONNX
             graph's sites are found under the reference's layout).
         from_disk: a model built without weights reads them from its checkpoint a block
@@ -82,8 +83,8 @@ def open_side(
                 f"{text}: not a dump (.h5) or an ONNX graph (.onnx); as a model spec, expected {ACCEPTED}"
             )
         built = build_model(
-            text, device=torch.device(device or "cpu"), dtype=dtype or torch.float32, like=getattr(like, "model", None),
-            from_disk=from_disk,
+            text, device=torch.device(device or "cpu"), dtype=dtype or checkpoint_dtype(text) or torch.float32,
+            like=getattr(like, "model", None), from_disk=from_disk,
         )
         spec = _built(f"model spec {text!r}: the factory", built)
     elif callable(spec) and not isinstance(spec, nn.Module) and kind_of(spec) == "model":
