@@ -408,18 +408,18 @@ def state_contents(cache: Any, *, copy: bool = True) -> list[States | None] | No
     ``None`` for a layer holding none (an attention layer, a state not written yet);
     ``None`` for a cache blockdiff cannot read."""
     layers = getattr(cache, "layers", None)
-    if layers is None:
-        return None
-    found: list[States | None] = []
-    for layer in layers:
-        held = {}
-        for what, name in STATES:
-            states = getattr(layer, name, None)
-            state = states.get(0) if isinstance(states, dict) else None
-            if isinstance(state, torch.Tensor) and state.numel():
-                held[what] = state.detach().to("cpu", copy=copy)
-        found.append(held or None)
-    return found
+    return None if layers is None else [_layer_states(layer, copy=copy) for layer in layers]
+
+
+def _layer_states(layer: Any, *, copy: bool) -> States | None:
+    """One cache layer's states, as :func:`state_contents` gives each."""
+    held = {}
+    for what, name in STATES:
+        states = getattr(layer, name, None)
+        state = states.get(0) if isinstance(states, dict) else None
+        if isinstance(state, torch.Tensor) and state.numel():
+            held[what] = state.detach().to("cpu", copy=copy)
+    return held or None
 
 
 def cache_contents(cache: Any, *, copy: bool = True) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
@@ -496,8 +496,9 @@ def _held(side: Side, key: tuple, layer: int, own: list | None) -> Held | None:
     steps = stepping(side)
     made = steps.made_stream(key)
     if made is not None:
-        states = None if isinstance(made, BufferCache) else state_contents(made, copy=False)
-        return layer_held(canonical(layer_of(made, layer), steps.stepper), None if states is None or layer >= len(states) else states[layer])
+        layers = None if isinstance(made, BufferCache) else getattr(made, "layers", None)
+        states = _layer_states(layers[layer], copy=False) if layers is not None and layer < len(layers) else None
+        return layer_held(canonical(layer_of(made, layer), steps.stepper), states)
     return own[layer] if own is not None and layer < len(own) else None
 
 
