@@ -812,10 +812,11 @@ def _stop_progress() -> None:
         bar.stop()
 
 
-# Loggers of other packages whose import-time warnings are not about the user's models:
-# torchao (imported by transformers when installed) saying which of its optional CUDA
-# kernels it could not load, and torch's pytree on the Enums torchao registers. A CLI
-# user reads blockdiff's output; BLOCKDIFF_DEBUG keeps them.
+# Loggers of other packages whose warnings are not about the user's models: torchao
+# (imported by transformers when installed) saying which of its optional CUDA kernels it
+# could not load, torch's pytree on the Enums torchao registers, and transformers saying a
+# kernel package it looked for is absent (a Mamba mixer runs its PyTorch code). A CLI user
+# reads blockdiff's output; BLOCKDIFF_DEBUG keeps them.
 QUIETED = ("torchao", "torch.utils._pytree", "transformers.integrations.hub_kernels")
 
 
