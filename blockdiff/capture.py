@@ -22,11 +22,11 @@ from torch import nn
 
 from .distributed import declared_whole, is_distributed, made_whole
 from .hooking import Hooks
-from .hookmap import Layout
+from .hookmap import EACH_CALL, Layout
 from .inputs import run_model
 from .errors import ModelSpecError, TensorChanged
 from .site import (
-    Site, hidden_location, iter_tensors, map_structure, primary_tensor, recorded_copy, replace_primary, snapshot, with_hidden,
+    PLAIN_TYPES, Site, hidden_location, iter_tensors, map_structure, primary_tensor, recorded_copy, replace_primary, snapshot, with_hidden,
 )
 from .store import MemoryStore, SiteStore
 
@@ -59,6 +59,9 @@ class Snapshots:
         self.lockstep = lockstep
         self._cache: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         self._held: dict[int, tuple[torch.Tensor, int]] = {}
+        # "kept": each tensor held as it is, by id, with the version it had when first met
+        # (met again at a later site, it is the same record; held here, its id stays its own).
+        self._kept_held: dict[int, tuple[torch.Tensor, int]] = {}
         # Copies of CUDA tensors, queued on a side stream (see DeviceCopies).
         self.device_copies = device_copies or DeviceCopies()
 
@@ -72,7 +75,8 @@ class Snapshots:
             # record. The most common case, kept to a few attribute reads (a detached alias
             # made for each cost 4-8 us a site more on figure 9's model).
             try:
-                self._held.setdefault(key, (t, t._version))
+                if key not in self._kept_held:
+                    self._kept_held[key] = (t, t._version)
                 return t
             except RuntimeError:  # an inference tensor has no version counter: copied
                 pass
@@ -104,12 +108,67 @@ class Snapshots:
         self._cache[key] = (ref, version, copy)
         return copy
 
+    def call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A call's arguments for the record (``self(args), self(kwargs)`` in one walk)."""
+        if self._kept:
+            try:
+                if self._as_is(args) and self._as_is(kwargs, top=True):
+                    return args, dict(kwargs)
+            except RuntimeError:  # an inference tensor has no version counter: copied
+                pass
+        return map_structure(args, self.tensor), map_structure(kwargs, self.tensor)
+
     def __call__(self, obj: Any) -> Any:
+        if self._kept:
+            try:
+                if self._as_is(obj, top=True):
+                    return dict(obj) if type(obj) is dict else obj
+            except RuntimeError:  # an inference tensor has no version counter: copied
+                pass
         return map_structure(obj, self.tensor)
+
+    def _as_is(self, obj: Any, *, top: bool = False) -> bool:
+        """Whether ``obj`` is recorded as it is ("kept"): CPU tensors without grad in
+        tuples, ``None`` and plain scalars, and at the top a call's keywords (a dict the
+        record copies). Each tensor is held with its version as it is met; where this
+        says ``False`` (a list, a cache, a parameter, a CUDA tensor), map_structure makes
+        the record, and the tensors already held stay held (the same entries). What
+        figure 9's sites are made of, walked without a Python call a tensor: through
+        map_structure the walk was a third of a site's price there."""
+        kind = type(obj)
+        if kind is torch.Tensor:
+            items: Any = (obj,)
+        elif kind is tuple:
+            items = obj
+        elif kind is dict and top:
+            items = obj.values()
+        else:
+            return obj is None or kind in PLAIN_TYPES
+        held = self._kept_held
+        for v in items:
+            kind = type(v)
+            if kind is torch.Tensor:
+                key = id(v)
+                if key not in held:  # met before: held, checked, its first version kept
+                    if v.requires_grad or not v.is_cpu:
+                        return False
+                    held[key] = (v, v._version)
+            elif v is not None and kind not in PLAIN_TYPES and not (kind is tuple and self._as_is(v)):
+                return False
+        return True
 
     def changed(self) -> bool:
         """Whether a tensor recorded by reference was modified in place after its hook."""
-        return any(alias._version != version for alias, version in self._held.values())
+        return any(t._version != version for t, version in self._kept_held.values()) or any(
+            alias._version != version for alias, version in self._held.values()
+        )
+
+    def adder(self, store: SiteStore, *, written: bool = False) -> Callable[[Site], None]:
+        """``add`` for one store: the store's own ``add`` where there is nothing to check
+        or wait for (a store that holds: its device copies land at :meth:`finish`)."""
+        if not written and self.by_reference != "written":
+            return store.add
+        return lambda site: self.add(store, site, written=written)
 
     def add(self, store: SiteStore, site: Site, *, written: bool = False) -> None:
         """``store.add(site)``; for ``"written"``, after checking the site's references.
@@ -237,39 +296,43 @@ def _version(t: torch.Tensor) -> int | None:
 class Numbering:
     """Site numbering: which call of a module this is, its ordinal within its (stage,
     block, sub-path), its place in the run's order; a call the map's ``calls`` does not
-    select opens no site."""
+    select opens no site. A call's arguments are recorded through ``copy(args, kwargs)``."""
 
-    def __init__(self, layout: Layout, whole: bool) -> None:
+    def __init__(self, layout: Layout, whole: bool, copy: Callable[[tuple, dict], tuple[tuple, dict]]) -> None:
         self.layout = layout
         self.whole = whole  # hidden inputs declared local shards are recorded whole
-        self.calls: dict[str, int] = {}
-        self.ordinals: dict[tuple, int] = {}
+        self.copy = copy
         self.order = 0
-        self._options: dict[str, Any] = {}  # each path's options, looked up once
+        self._ordinals: dict[tuple, list[int]] = {}
 
-    def open(
-        self, path: str, where: tuple[str, int | None, str | None], args: tuple, kwargs: dict, copy: Callable[[Any], Any]
-    ) -> Site | None:
-        """The site of this call of ``path``, its arguments recorded through ``copy``."""
-        options = self._options.get(path)
-        if options is None:
-            options = self._options[path] = self.layout.options(path)
-        call = self.calls.get(path, 0)
-        self.calls[path] = call + 1
-        if not options.selects(call):
-            return None
-        args, kwargs = copy(args), copy(kwargs)
-        if self.whole and options.shard_input is not None:
-            args, kwargs = whole_input(args, kwargs, options.shard_input, options.activations)
-        stage, block, subpath = where
-        site = Site(
-            stage=stage, block=block, subpath=subpath, module=path, call=call,
-            ordinal=self.ordinals.get(where, 0), args=args, kwargs=kwargs, order=self.order,
-            activations=options.activations,
-        )
-        self.ordinals[where] = site.ordinal + 1
-        self.order += 1
-        return site
+    def opener(self, path: str, where: tuple[str, int | None, str | None]) -> Callable[[tuple, dict], Site | None]:
+        """``opened(args, kwargs)``: the site of the next call of ``path``, or ``None``.
+        One for each path (it counts that path's calls); what it needs is looked up here,
+        once, not at each call: on a model bound by dispatch a site's every dictionary
+        look-up shows in the forward's time (benchmarks/per_site.py)."""
+        options = self.layout.options(path)
+        every = options.calls == EACH_CALL
+        whole = self.whole and options.shard_input is not None
+        ordinals = self._ordinals.setdefault(where, [0])  # shared by the paths of one (stage, block, sub-path)
+        copy, stage, block, subpath = self.copy, *where
+        calls = 0
+
+        def opened(args: tuple, kwargs: dict) -> Site | None:
+            nonlocal calls
+            call = calls
+            calls = call + 1
+            if not every and not options.selects(call):
+                return None
+            args, kwargs = copy(args, kwargs)
+            if whole:
+                args, kwargs = whole_input(args, kwargs, options.shard_input, options.activations)  # type: ignore[arg-type]
+            ordinal = ordinals[0]
+            ordinals[0] = ordinal + 1
+            order = self.order
+            self.order = order + 1
+            return Site(stage, block, subpath, path, call, ordinal, args, kwargs, None, order, options.activations)
+
+        return opened
 
 
 class ChildCalls:
@@ -369,18 +432,17 @@ def capture(
     site_of = layout.site_of()
     modules = _site_modules(model, site_of)
     snapshot = snapshot or Snapshots()
-    numbering = Numbering(layout, whole=lockstep)
+    numbering = Numbering(layout, whole=lockstep, copy=snapshot.call)
     open_sites: dict[str, list[Site | None]] = {}
     blocks_done = [0]
     # One pair of hook functions for every module, which look the module up: a hook that
     # differed per module (a closure over its path) would make dynamo compile one graph
     # per block where the model alone shares one.
-    sites: dict[int, tuple[str, tuple[str, int | None, str | None]]] = {}
+    sites: dict[int, tuple[str, Callable[[tuple, dict], Site | None]]] = {}
 
     def opened(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        path, where = sites[id(module)]
-        site = numbering.open(path, where, args, kwargs, snapshot)
-        open_sites.setdefault(path, []).append(site)
+        path, opens = sites[id(module)]
+        open_sites.setdefault(path, []).append(opens(args, kwargs))
 
     written = not isinstance(store, MemoryStore)
 
@@ -389,12 +451,15 @@ def capture(
         if site is not None:
             finished(module, site, output)
 
+    add = snapshot.adder(store, written=written)
+
     def finished(module: nn.Module, site: Site, output: Any) -> None:
         site.output = snapshot(output)
-        primary = primary_tensor(site.output) if lockstep else None
-        if primary is not None:  # a local shard: recorded whole
-            site.output = replace_primary(site.output, made_whole(primary, module, layout.options(site.module).shard_output))
-        snapshot.add(store, site, written=written)
+        if lockstep:
+            primary = primary_tensor(site.output)
+            if primary is not None:  # a local shard: recorded whole
+                site.output = replace_primary(site.output, made_whole(primary, module, layout.options(site.module).shard_output))
+        add(site)
         if progress is not None and site.stage == "block" and site.subpath is None:
             blocks_done[0] += 1
             progress(blocks_done[0], len(layout.blocks))
@@ -404,25 +469,28 @@ def capture(
     # the instance (one Python call a site, and torch's call skips its hook machinery);
     # one a compiler traces, through hooks that dynamo can trace (Deferred).
     eager = not any(_compiled(module) for module in modules.values())
+
+    def recording(module: nn.Module, opens: Callable[[tuple, dict], Site | None]) -> Callable:
+        forward = module.forward
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            site = opens(args, kwargs)
+            output = forward(*args, **kwargs)
+            if site is not None:
+                finished(module, site, output)
+            return output
+
+        recorded.__wrapped__ = forward  # type: ignore[attr-defined]  # its signature is forward's, as inspect sees it
+        return recorded
+
     with Hooks() as hooks:
         for path, where in site_of.items():
             module = modules[path]
             if id(module) in sites:  # one module at two paths: recorded under the first
                 continue
-            sites[id(module)] = (path, where)
+            sites[id(module)] = (path, numbering.opener(path, where))
             if eager:
-                def recording(forward: Callable, module: nn.Module = module, path: str = path, where: Any = where) -> Callable:
-                    def recorded(*args: Any, **kwargs: Any) -> Any:
-                        site = numbering.open(path, where, args, kwargs, snapshot)
-                        output = forward(*args, **kwargs)
-                        if site is not None:
-                            finished(module, site, output)
-                        return output
-
-                    setattr(recorded, "__wrapped__", forward)  # its signature is forward's, as inspect sees it
-                    return recorded
-
-                hooks.replace_forward(module, recording)
+                hooks.set_forward(module, recording(module, sites[id(module)][1]))
             else:
                 hooks.around(module, deferred.pre, deferred.post)
         yield store
@@ -435,13 +503,16 @@ def _site_modules(model: nn.Module, site_of: dict[str, Any]) -> dict[str, nn.Mod
     ...): what a compiler running any of them would trace. Looked up by path, not by walking
     every module of the model (a capture of a small model paid a tenth of its time for that)."""
     found: dict[str, nn.Module] = {"": model}
+
+    def lookup(path: str) -> nn.Module:
+        module = found.get(path)
+        if module is None:
+            parent, _, name = path.rpartition(".")
+            module = found[path] = lookup(parent)._modules[name]  # type: ignore[assignment]
+        return module
+
     for path in site_of:
-        parent = ""
-        for name in path.split(".") if path else []:
-            here = f"{parent}.{name}" if parent else name
-            if here not in found:
-                found[here] = found[parent]._modules[name]  # type: ignore[assignment]
-            parent = here
+        lookup(path)
     return found
 
 

@@ -15,6 +15,7 @@ module's output).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 from torch import nn
@@ -66,23 +67,27 @@ class Hooks:
         module._compiled_call_impl = recorded
         self._undo.append(lambda: setattr(module, "_compiled_call_impl", original))
 
+    def set_forward(self, module: nn.Module, forward: Callable) -> None:
+        """``module.forward`` replaced, on the instance, by ``forward`` (see :meth:`replace_forward`)."""
+        own = module.__dict__
+        self._undo.append(functools.partial(_put_back, own, own.get("forward", _MISSING)))
+        own["forward"] = forward
+
     def replace_forward(self, module: nn.Module, make: Callable[[Callable], Callable]) -> None:
         """``module.forward`` replaced, on the instance, by ``make(current forward)``.
         Set in the instance's own ``__dict__``, past any ``__setattr__`` of its class: a
         module may pass attributes on (TransformerLens 4's bridge components set an
         attribute their wrapped Hugging Face module has on that module, which the bridge's
         forward need not call); and a capture sets one on every site's module each run."""
-        own = module.__dict__
-        previous = own.get("forward", _MISSING)
-        own["forward"] = make(module.forward)
+        self.set_forward(module, make(module.forward))
 
-        def undo() -> None:
-            if previous is _MISSING:
-                own.pop("forward", None)
-            else:
-                own["forward"] = previous
 
-        self._undo.append(undo)
+def _put_back(own: dict, previous: Any) -> None:
+    """An instance's ``forward`` as it was (none of its own: the class's again)."""
+    if previous is _MISSING:
+        own.pop("forward", None)
+    else:
+        own["forward"] = previous
 
 
 class BufferCache:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,10 +105,28 @@ def run_model(model: nn.Module, inputs: Inputs) -> Any:
 
 def accepts(model: nn.Module, name: str) -> bool:
     """Whether ``model.forward`` takes a parameter ``name`` (``False`` where it cannot tell)."""
+    forward = model.forward
+    function = getattr(forward, "__func__", forward)  # a bound method is made anew at each read
     try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
+        names = _PARAMETERS.get(function)
+    except TypeError:  # not weak-referenceable: read each time
+        names = None
+    if names is None:
+        try:
+            names = frozenset(inspect.signature(forward).parameters)
+        except (TypeError, ValueError):
+            return False
+        try:
+            _PARAMETERS[function] = names
+        except TypeError:
+            pass
+    return name in names
+
+
+# Each forward function's parameter names: reading a signature cost a capture of a small
+# model half a microsecond a site (benchmarks/per_site.py). Weak: a forward made for one
+# model (an instance's own) goes with it.
+_PARAMETERS: "weakref.WeakKeyDictionary[Any, frozenset[str]]" = weakref.WeakKeyDictionary()
 
 
 def random_tokens(*, batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:

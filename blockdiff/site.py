@@ -79,14 +79,15 @@ class NotReplayable(BlockdiffError):
 
 
 # Types a structure holds as themselves (map_structure's fast path; subclasses take the long one).
-_PLAIN = frozenset({bool, int, float, str, Opaque, torch.dtype, torch.device})
+# Types a record holds as they are (map_structure returns them unchanged).
+PLAIN_TYPES = frozenset({bool, int, float, str, Opaque, torch.dtype, torch.device})
 
 
 def _is_cache(obj: Any) -> bool:
     return any(cls.__name__.endswith("Cache") for cls in type(obj).__mro__)
 
 
-@dataclass
+@dataclass(slots=True)
 class Site:
     """One captured call of a module of the hook map.
 
@@ -176,7 +177,7 @@ def map_structure(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     kind = type(obj)
     if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common cases first: a site pays for each test
         return fn(obj)
-    if obj is None or kind in _PLAIN:
+    if obj is None or kind in PLAIN_TYPES:
         return obj
     if kind is tuple:
         return tuple([fn(v) if type(v) is torch.Tensor else v if v is None else map_structure(v, fn) for v in obj])

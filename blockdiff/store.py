@@ -45,7 +45,13 @@ class MemoryStore:
 
     def add(self, site: Site) -> None:
         # Sites arrive as their calls finish (a block after its modules); keep start order.
-        target = self._outside if site.block is None else self._blocks.setdefault(site.block, [])
+        block = site.block
+        if block is None:
+            target = self._outside
+        else:
+            target = self._blocks.get(block)
+            if target is None:
+                target = self._blocks[block] = []
         if not target or target[-1].order < site.order:
             target.append(site)
         else:

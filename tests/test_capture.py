@@ -237,3 +237,64 @@ def test_an_eager_model_is_recorded_through_its_own_forwards_which_keep_their_si
         model(ids)
     assert not any("forward" in m.__dict__ or m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert len(store.block_sites(1)) == len([p for p in layout.site_of() if p.startswith("blocks.1")])
+
+
+def test_a_kept_record_holds_plain_calls_as_they_are_and_anything_else_as_map_structure_makes_it():
+    from transformers import DynamicCache, LlamaConfig
+
+    from blockdiff.site import Opaque
+
+    kept = Snapshots(by_reference="kept")
+    h, cos, sin = torch.ones(2, 3), torch.zeros(3), torch.ones(3)
+    args = (h, (cos, sin), None, 2)
+    assert kept(args) is args  # a tuple is immutable: the record holds it
+    kwargs = {"hidden_states": h, "position_embeddings": (cos, sin), "use_cache": False}
+    recorded = kept(kwargs)
+    assert recorded == kwargs and recorded is not kwargs  # a dict is copied: the model may change it
+    assert kept.call(args, kwargs) == (args, kwargs)
+    # A cache, a list, a tensor that requires grad: what map_structure makes of them.
+    cache = DynamicCache(config=LlamaConfig(num_hidden_layers=1))
+    odd = kept({"cache": cache, "list": [h], "grad": torch.ones(2, requires_grad=True)})
+    assert isinstance(odd["cache"], Opaque) and odd["cache"].cache
+    assert odd["list"] == [h] and odd["list"][0] is h
+    assert not odd["grad"].requires_grad
+    assert not kept.changed()
+    sin.mul_(2)  # met twice, held once: its first version is the one checked
+    assert kept.changed()
+
+
+def test_a_kept_record_notices_a_change_to_a_tensor_deep_in_a_tuple():
+    kept = Snapshots(by_reference="kept")
+    inner = torch.ones(4)
+    kept(((torch.zeros(1), (inner,)),))
+    assert not kept.changed()
+    inner.add_(1)
+    assert kept.changed()
+
+
+def test_each_module_counts_its_own_calls_and_a_sub_path_numbers_its_sites_in_order(ids):
+    from blockdiff.capture import Numbering
+    from blockdiff.hookmap import ModuleOptions
+
+    layout = resolve(tinylm.build())
+    layout.modules["blocks.0.ffn"] = ModuleOptions(calls=1)  # its second call is the site
+    numbering = Numbering(layout, whole=False, copy=lambda args, kwargs: (args, kwargs))
+    where = ("block", 0, "ffn")
+    ffn, other = numbering.opener("blocks.0.ffn", where), numbering.opener("blocks.0.ffn_norm", where)
+    assert ffn((), {}) is None  # call 0: not selected
+    first = other((), {})
+    second = ffn((), {})
+    assert (first.call, first.ordinal, first.order) == (0, 0, 0)
+    assert (second.module, second.call, second.ordinal, second.order) == ("blocks.0.ffn", 1, 1, 1)
+    assert ffn((), {}) is None
+
+
+def test_whether_a_model_takes_an_argument_follows_a_forward_replaced_on_the_instance():
+    from blockdiff.inputs import accepts
+
+    model = tinylm.build()
+    assert not accepts(model, "use_cache")
+    model.forward = lambda ids, use_cache=False: None
+    assert accepts(model, "use_cache")
+    del model.forward
+    assert not accepts(model, "use_cache")
