@@ -41,8 +41,8 @@ class Snapshots:
     cache holds only weak references to live tensors, so it keeps no activation alive.
 
     With ``by_reference``, a CPU tensor that has a version counter is not copied at all:
-    the record holds a detached alias (same storage, same version counter) and the version
-    it had. :meth:`changed` says whether any of them was modified in place since it was
+    the record holds it (one that requires grad: a detached alias, same storage, same
+    version counter) and the version it had. :meth:`changed` says whether any of them was modified in place since it was
     recorded; if none was, the aliases hold exactly what the hooks saw. ``"kept"`` (a
     store in memory) checks once the forward is over; ``"written"`` (a dump) checks each
     site's tensors as it hands them to the store and forgets them after: the dump writer
@@ -53,21 +53,20 @@ class Snapshots:
         self, *, by_reference: str | None = None, device_copies: "DeviceCopies | None" = None, lockstep: bool = False
     ) -> None:
         self.by_reference = by_reference
-        self._kept = by_reference == "kept"
+        self._as_they_are = by_reference is not None
         # A run in lockstep with other ranks copies at once: its records are gathered and
         # compared across ranks.
         self.lockstep = lockstep
         self._cache: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        # Tensors held by reference, by id, with the version each had when first met (met
+        # again at a later site, it is the same record; held here, its id stays its own).
         self._held: dict[int, tuple[torch.Tensor, int]] = {}
-        # "kept": each tensor held as it is, by id, with the version it had when first met
-        # (met again at a later site, it is the same record; held here, its id stays its own).
-        self._kept_held: dict[int, tuple[torch.Tensor, int]] = {}
         # Copies of CUDA tensors, queued on a side stream (see DeviceCopies).
         self.device_copies = device_copies or DeviceCopies()
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         key = id(t)
-        if self._kept and type(t) is torch.Tensor and t.is_cpu and not t.requires_grad:
+        if self._as_they_are and type(t) is torch.Tensor and t.is_cpu and not t.requires_grad:
             # Held as it is (what a detached alias would hold: nothing to detach), checked
             # against the version it had when first recorded (changed): an in-place write
             # to its values or its shape (``unsqueeze_``, ``transpose_``, ``resize_``) bumps
@@ -75,8 +74,8 @@ class Snapshots:
             # record. The most common case, kept to a few attribute reads (a detached alias
             # made for each cost 4-8 us a site more on figure 9's model).
             try:
-                if key not in self._kept_held:
-                    self._kept_held[key] = (t, t._version)
+                if key not in self._held:
+                    self._held[key] = (t, t._version)
                 return t
             except RuntimeError:  # an inference tensor has no version counter: copied
                 pass
@@ -110,7 +109,7 @@ class Snapshots:
 
     def call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A call's arguments for the record (``self(args), self(kwargs)`` in one walk)."""
-        if self._kept:
+        if self._as_they_are:
             try:
                 if self._as_is(args) and self._as_is(kwargs, top=True):
                     return args, dict(kwargs)
@@ -119,7 +118,7 @@ class Snapshots:
         return map_structure(args, self.tensor), map_structure(kwargs, self.tensor)
 
     def __call__(self, obj: Any) -> Any:
-        if self._kept:
+        if self._as_they_are:
             try:
                 if self._as_is(obj, top=True):
                     return dict(obj) if type(obj) is dict else obj
@@ -128,7 +127,7 @@ class Snapshots:
         return map_structure(obj, self.tensor)
 
     def _as_is(self, obj: Any, *, top: bool = False) -> bool:
-        """Whether ``obj`` is recorded as it is ("kept"): CPU tensors without grad in
+        """Whether ``obj`` is recorded as it is (held by reference): CPU tensors without grad in
         tuples, ``None`` and plain scalars, and at the top a call's keywords (a dict the
         record copies). Each tensor is held with its version as it is met; where this
         says ``False`` (a list, a cache, a parameter, a CUDA tensor), map_structure makes
@@ -144,7 +143,7 @@ class Snapshots:
             items = obj.values()
         else:
             return obj is None or kind in PLAIN_TYPES
-        held = self._kept_held
+        held = self._held
         for v in items:
             kind = type(v)
             if kind is torch.Tensor:
@@ -159,9 +158,7 @@ class Snapshots:
 
     def changed(self) -> bool:
         """Whether a tensor recorded by reference was modified in place after its hook."""
-        return any(t._version != version for t, version in self._kept_held.values()) or any(
-            alias._version != version for alias, version in self._held.values()
-        )
+        return any(alias._version != version for alias, version in self._held.values())
 
     def adder(self, store: SiteStore, *, written: bool = False) -> Callable[[Site], None]:
         """``add`` for one store: the store's own ``add`` where there is nothing to check
