@@ -26,12 +26,12 @@ each record: the plan, the copies into the slab and the sites rebuilt from it ar
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .capture import capture
+from .capture import Snapshots, capture
 from .errors import InputError
 from .hookmap import Layout
 from .inputs import run_model
@@ -39,36 +39,32 @@ from .site import Site, map_structure
 from .store import MemoryStore
 
 
-class _Planner:
-    """The warm-up's snapshot: each tensor's shape and dtype, in the order the hooks meet them
-    (what :func:`~blockdiff.capture.capture` asks of a snapshot: call, ``add``, ``finish``)."""
+class _Planner(Snapshots):
+    """The warm-up's snapshot: each tensor's shape and dtype, in the order the hooks meet them;
+    it keeps no site."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.specs: list[tuple[torch.Size, torch.dtype]] = []
 
-    def _seen(self, t: torch.Tensor) -> torch.Tensor:
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
         self.specs.append((t.shape, t.dtype))
         return t
 
-    def __call__(self, obj: Any) -> Any:
-        return map_structure(obj, self._seen)
-
-    def add(self, store: Any, site: Site, *, written: bool = False) -> None:
-        return None  # the warm-up keeps no site
-
-    def finish(self) -> None:
-        return None
+    def adder(self, store: Any, *, written: bool = False) -> Callable[[Site], None]:
+        return lambda site: None
 
 
-class _Taps:
+class _Taps(Snapshots):
     """The graph's snapshot: each tensor copied into its planned place in the slab (a copy
     the graph keeps); the site holds that place."""
 
     def __init__(self, places: list[torch.Tensor]) -> None:
+        super().__init__()
         self.places = places
         self.next = 0
 
-    def _tapped(self, t: torch.Tensor) -> torch.Tensor:
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
         if self.next >= len(self.places):
             raise InputError("graph taps: the forward met more tensors than its warm-up did (not a static graph)")
         place = self.places[self.next]
@@ -80,15 +76,6 @@ class _Taps:
         place.copy_(t.detach())
         self.next += 1
         return place
-
-    def __call__(self, obj: Any) -> Any:
-        return map_structure(obj, self._tapped)
-
-    def add(self, store: Any, site: Site, *, written: bool = False) -> None:
-        store.add(site)
-
-    def finish(self) -> None:
-        return None
 
 
 def _to_host(slab: torch.Tensor) -> torch.Tensor:
