@@ -66,19 +66,13 @@ class Snapshots:
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         key = id(t)
-        if self._as_they_are and type(t) is torch.Tensor and t.is_cpu and not t.requires_grad:
+        if self._as_they_are and type(t) is torch.Tensor and self._held_as_is(t):
             # Held as it is (what a detached alias would hold: nothing to detach), checked
             # against the version it had when first recorded (changed): an in-place write
             # to its values or its shape (``unsqueeze_``, ``transpose_``, ``resize_``) bumps
-            # that counter alike. The same tensor met again, at a later site, is the same
-            # record. The most common case, kept to a few attribute reads (a detached alias
-            # made for each cost 4-8 us a site more on figure 9's model).
-            try:
-                if key not in self._held:
-                    self._held[key] = (t, t._version)
-                return t
-            except RuntimeError:  # an inference tensor has no version counter: copied
-                pass
+            # that counter alike. A detached alias made for each cost 4-8 us a site more on
+            # figure 9's model.
+            return t
         version = _version(t)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is t and version is not None and hit[1] == version:
@@ -109,22 +103,22 @@ class Snapshots:
 
     def call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A call's arguments for the record (``self(args), self(kwargs)`` in one walk)."""
-        if self._as_they_are:
-            try:
-                if self._as_is(args) and self._as_is(kwargs, top=True):
-                    return args, dict(kwargs)
-            except RuntimeError:  # an inference tensor has no version counter: copied
-                pass
+        if self._as_they_are and self._held_as_is(args) and self._held_as_is(kwargs):
+            return args, dict(kwargs)
         return map_structure(args, self.tensor), map_structure(kwargs, self.tensor)
 
     def __call__(self, obj: Any) -> Any:
-        if self._as_they_are:
-            try:
-                if self._as_is(obj, top=True):
-                    return dict(obj) if type(obj) is dict else obj
-            except RuntimeError:  # an inference tensor has no version counter: copied
-                pass
+        if self._as_they_are and self._held_as_is(obj):
+            return dict(obj) if type(obj) is dict else obj
         return map_structure(obj, self.tensor)
+
+    def _held_as_is(self, obj: Any) -> bool:
+        """:meth:`_as_is` at the top of a record; ``False`` for an inference tensor (no
+        version counter: copied)."""
+        try:
+            return self._as_is(obj, top=True)
+        except RuntimeError:
+            return False
 
     def _as_is(self, obj: Any, *, top: bool = False) -> bool:
         """Whether ``obj`` is recorded as it is (held by reference): CPU tensors without grad in
@@ -309,7 +303,7 @@ class Numbering:
         look-up shows in the forward's time (benchmarks/per_site.py)."""
         options = self.layout.options(path)
         every = options.calls == EACH_CALL
-        whole = self.whole and options.shard_input is not None
+        shard = options.shard_input if self.whole else None  # a declared local shard, made whole
         ordinals = self._ordinals.setdefault(where, [0])  # shared by the paths of one (stage, block, sub-path)
         copy, stage, block, subpath = self.copy, *where
         calls = 0
@@ -321,8 +315,8 @@ class Numbering:
             if not every and not options.selects(call):
                 return None
             args, kwargs = copy(args, kwargs)
-            if whole:
-                args, kwargs = whole_input(args, kwargs, options.shard_input, options.activations)  # type: ignore[arg-type]
+            if shard is not None:
+                args, kwargs = whole_input(args, kwargs, shard, options.activations)
             ordinal = ordinals[0]
             ordinals[0] = ordinal + 1
             order = self.order
@@ -477,7 +471,7 @@ def capture(
                 finished(module, site, output)
             return output
 
-        recorded.__wrapped__ = forward  # type: ignore[attr-defined]  # its signature is forward's, as inspect sees it
+        setattr(recorded, "__wrapped__", forward)  # its signature is forward's, as inspect sees it
         return recorded
 
     with Hooks() as hooks:
